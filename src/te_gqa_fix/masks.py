@@ -1,0 +1,140 @@
+"""Which keys a query can see: TE's mask types and sliding windows, reduced to intervals.
+
+For packed THD input every mask is per sequence. Within sequence ``b`` (``lq`` query
+tokens, ``lk`` key tokens) query ``i`` attends key ``j`` when ``j`` lies in
+``[i + s - left, i + s + right]`` intersected with ``[0, lk)``, where ``s = lk - lq`` for a
+bottom-right aligned diagonal and ``s = 0`` for a top-left one, ``left``/``right`` of -1 mean
+unbounded, and causal masks force ``right = 0``. Consecutive query windows overlap, so the
+keys that *some* query attends form one interval per sequence::
+
+    lo = max(0, s - left)                  (0 when left is unbounded)
+    hi = min(lk, lq + s + right)           (lk when right is unbounded), empty when lq == 0
+
+A key row outside ``[lo, hi)`` receives no attention, so its true dK/dV is exactly 0.
+When the alignment is ambiguous (an explicit ``bottom_right_diagonal`` that contradicts a
+causal mask's name) both alignments are kept, which can only keep more rows, never fewer.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+from ._logging import log_once
+
+# mask name -> (causal, bottom-right by name). THD masks are per sequence, so the
+# non-padding names behave as their padding twins (TE converts them the same way).
+_KNOWN_MASKS: dict[str, Tuple[bool, bool]] = {
+    "padding": (False, False),
+    "no_mask": (False, False),
+    "padding_causal": (True, False),
+    "causal": (True, False),
+    "padding_causal_bottom_right": (True, True),
+    "causal_bottom_right": (True, True),
+}
+
+KNOWN_MASK_TYPES: Tuple[str, ...] = tuple(_KNOWN_MASKS)
+
+
+@dataclass(frozen=True)
+class KeySpan:
+    """How to compute the attended key interval of each sequence.
+
+    ``exact`` False means the mask is not understood: keep every valid key of a sequence
+    that has at least one query (the conservative set, exact for the bug's rows).
+    ``top_left``/``bottom_right`` say which diagonal alignments to keep (both: superset).
+    """
+
+    exact: bool
+    causal: bool
+    window_left: int
+    window_right: int
+    top_left: bool
+    bottom_right: bool
+
+    @property
+    def has_window(self) -> bool:
+        return self.window_left >= 0 or self.window_right >= 0
+
+
+CONSERVATIVE = KeySpan(
+    exact=False, causal=False, window_left=-1, window_right=-1, top_left=True, bottom_right=False
+)
+
+
+def _window_pair(window_size: Optional[Sequence[int]]) -> Optional[Tuple[int, int]]:
+    if window_size is None:
+        return (-1, -1)
+    try:
+        left, right = (int(window_size[0]), int(window_size[1]))
+    except (TypeError, ValueError, IndexError):
+        return None
+    if left < -1 or right < -1:
+        return None
+    return (left, right)
+
+
+def key_span(
+    attn_mask_type: Optional[str],
+    window_size: Optional[Sequence[int]] = (-1, -1),
+    bottom_right_diagonal: Optional[bool] = None,
+) -> KeySpan:
+    """Reduce TE's mask arguments to a :class:`KeySpan`.
+
+    ``bottom_right_diagonal`` is TE's argument of that name (TE >= 2.10); ``None`` means
+    "by mask name", which is what every older TE does for the cuDNN backend.
+    Unknown masks or windows give :data:`CONSERVATIVE` and are logged once.
+    """
+    known = _KNOWN_MASKS.get(attn_mask_type) if isinstance(attn_mask_type, str) else None
+    window = _window_pair(window_size)
+    if known is None or window is None:
+        log_once(
+            ("mask", attn_mask_type, None if window is None else tuple(window)),
+            logging.INFO,
+            "te_gqa_fix: attn_mask_type=%r window_size=%r not understood; zeroing only rows "
+            "outside sequences and rows of sequences without queries (exact for every mask)",
+            attn_mask_type,
+            window_size,
+        )
+        return CONSERVATIVE
+    causal, br_by_name = known
+    left, right = window
+    if causal and right in (-1, 0):
+        right = 0
+    if bottom_right_diagonal is None or bool(bottom_right_diagonal) == br_by_name:
+        br = br_by_name if bottom_right_diagonal is None else bool(bottom_right_diagonal)
+        top_left, bottom_right = (not br), br
+    elif causal:
+        # The name says one diagonal, the flag the other: keep both (a superset).
+        top_left, bottom_right = True, True
+    else:
+        top_left, bottom_right = (not bottom_right_diagonal), bool(bottom_right_diagonal)
+    return KeySpan(
+        exact=True,
+        causal=causal,
+        window_left=left,
+        window_right=right,
+        top_left=top_left,
+        bottom_right=bottom_right,
+    )
+
+
+def key_interval(lq: int, lk: int, span: KeySpan) -> Tuple[int, int]:
+    """Scalar form of the attended key interval ``[lo, hi)`` (reference and CLI use)."""
+    if lq <= 0 or lk <= 0:
+        return (0, 0)
+    if not span.exact:
+        return (0, lk)
+    los, his = [], []
+    for s, use in ((0, span.top_left), (lk - lq, span.bottom_right)):
+        if not use:
+            continue
+        lo = 0 if span.window_left < 0 else max(0, s - span.window_left)
+        hi = lk if span.window_right < 0 else min(lk, lq + s + span.window_right)
+        if hi > lo:
+            los.append(lo)
+            his.append(hi)
+    if not los:
+        return (0, 0)
+    return (min(los), max(his))

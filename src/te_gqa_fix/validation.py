@@ -1,0 +1,147 @@
+"""Input checks for the post-pass.
+
+Two tiers. :func:`check_metadata` reads only shapes, dtypes and devices, so it costs no
+host sync and runs on every call (also inside CUDA-graph capture). :func:`check_values`
+reads the offsets themselves (a device-to-host copy), so it runs only when
+``TE_GQA_FIX_VALIDATE=1``: it is for debugging a pipeline, never for the hot path.
+Every error names the argument and what was expected, because a wrong offset here would
+otherwise mean a silently wrong gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = ["check_metadata", "check_values"]
+
+
+def _offsets(name: str, value: object, device: Optional[torch.device]) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(
+            f"{name}: expected a 1-D torch.int32 tensor of batch_size + 1 offsets, "
+            f"got {type(value).__name__}"
+        )
+    if value.dtype != torch.int32:
+        raise ValueError(f"{name}: expected dtype torch.int32 (as TE requires), got {value.dtype}")
+    if value.dim() != 1:
+        raise ValueError(
+            f"{name}: expected a 1-D tensor of batch_size + 1 offsets, got shape {tuple(value.shape)}"
+        )
+    if value.numel() < 1:
+        raise ValueError(f"{name}: expected at least one offset (batch_size + 1 >= 1), got none")
+    if device is not None and value.device != device:
+        raise ValueError(
+            f"{name}: expected it on the attention tensors' device {device}, got {value.device}"
+        )
+    return value
+
+
+def _rows(name: str, t: object) -> int:
+    shape = getattr(t, "shape", None)
+    if shape is None or len(shape) != 3:
+        raise ValueError(
+            f"{name}: expected a THD tensor of shape [tokens, heads, head_dim], "
+            f"got {None if shape is None else tuple(shape)}"
+        )
+    return int(shape[0])
+
+
+def check_metadata(
+    dq: Optional[torch.Tensor],
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_kv: torch.Tensor,
+    cu_seqlens_q_padded: Optional[torch.Tensor],
+    cu_seqlens_kv_padded: Optional[torch.Tensor],
+    num_heads_q: Optional[int] = None,
+    num_heads_kv: Optional[int] = None,
+    names: tuple[str, str, str] = ("dq", "dk", "dv"),
+) -> None:
+    """Sync-free checks; raise ``ValueError`` naming the offending argument.
+
+    ``names`` are the names used in messages for the three row tensors (the wrapper
+    checks TE's inputs ``q, k, v`` before the call, the post-pass its outputs).
+    """
+    name_q, name_k, name_v = names
+    rows_k = _rows(name_k, dk)
+    rows_v = _rows(name_v, dv)
+    if rows_k != rows_v:
+        raise ValueError(
+            f"{name_v}: expected the same number of token rows as {name_k} ({rows_k}), "
+            f"got {rows_v}"
+        )
+    if dq is not None:
+        _rows(name_q, dq)
+    device = dk.device
+    for name, t in ((name_v, dv), (name_q, dq)):
+        if t is not None and t.device != device:
+            raise ValueError(f"{name}: expected it on {name_k}'s device {device}, got {t.device}")
+    cu_q = _offsets("cu_seqlens_q", cu_seqlens_q, device)
+    n = cu_q.numel()
+    named: Sequence[tuple[str, Optional[torch.Tensor]]] = (
+        ("cu_seqlens_kv", cu_seqlens_kv),
+        ("cu_seqlens_q_padded", cu_seqlens_q_padded),
+        ("cu_seqlens_kv_padded", cu_seqlens_kv_padded),
+    )
+    for name, value in named:
+        if value is None and name == "cu_seqlens_kv":
+            raise ValueError("cu_seqlens_kv: expected a 1-D torch.int32 tensor, got None")
+        if value is None:
+            continue
+        t = _offsets(name, value, device)
+        if t.numel() != n:
+            raise ValueError(
+                f"{name}: expected {n} offsets (batch_size + 1, as cu_seqlens_q), got {t.numel()}"
+            )
+    if num_heads_q is not None and num_heads_kv is not None:
+        if num_heads_kv <= 0 or num_heads_q <= 0 or num_heads_q % num_heads_kv != 0:
+            raise ValueError(
+                f"{name_k}: expected a number of KV heads that divides the query heads "
+                f"({num_heads_q}), got {num_heads_kv}"
+            )
+
+
+def _check_monotonic(name: str, t: torch.Tensor) -> list[int]:
+    values = [int(x) for x in t.tolist()]
+    if values and values[0] < 0:
+        raise ValueError(f"{name}: expected offsets >= 0, got {values[0]} first")
+    for i in range(1, len(values)):
+        if values[i] < values[i - 1]:
+            raise ValueError(
+                f"{name}: expected non-decreasing offsets, got {values[i - 1]} then "
+                f"{values[i]} at index {i}"
+            )
+    return values
+
+
+def check_values(
+    rows_q: Optional[int],
+    rows_kv: int,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_kv: torch.Tensor,
+    cu_seqlens_q_padded: Optional[torch.Tensor],
+    cu_seqlens_kv_padded: Optional[torch.Tensor],
+) -> None:
+    """Deep checks that read the offsets (host sync): monotonic, lengths fit, in bounds."""
+    for side, rows, cu, pad, cu_name, pad_name in (
+        ("q", rows_q, cu_seqlens_q, cu_seqlens_q_padded, "cu_seqlens_q", "cu_seqlens_q_padded"),
+        ("kv", rows_kv, cu_seqlens_kv, cu_seqlens_kv_padded, "cu_seqlens_kv", "cu_seqlens_kv_padded"),
+    ):
+        valid = _check_monotonic(cu_name, cu)
+        padded = valid if pad is None else _check_monotonic(pad_name, pad)
+        where = pad_name if pad is not None else cu_name
+        for b in range(len(valid) - 1):
+            length = valid[b + 1] - valid[b]
+            room = padded[b + 1] - padded[b]
+            if length > room:
+                raise ValueError(
+                    f"{cu_name}: sequence {b} has {length} tokens but {where} gives it "
+                    f"only {room} rows"
+                )
+        if rows is not None and padded and padded[-1] > rows:
+            raise ValueError(
+                f"{where}: last offset {padded[-1]} is past the {rows} {side} rows of the buffer"
+            )
