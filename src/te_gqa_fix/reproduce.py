@@ -1,0 +1,313 @@
+"""Call TE's fused attention on packed THD input by argument name, and trigger the bug.
+
+Shared by the GPU tests, the benchmarks, ``te-gqa-fix doctor`` and the examples, so that
+all of them build the call the same way for whatever TE release is installed (2.8's
+``dqkv_dtype`` and 2.20's ``o_format``/``do_format``/``dqkv_layout`` are filled only
+where the signature has them). Nothing here runs at import; TE is imported on demand.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = [
+    "ThdBatch",
+    "call_by_name",
+    "make_batch",
+    "poison_allocator",
+    "random_inputs",
+    "reference_attention",
+    "seed_batch",
+    "te_backward",
+    "te_forward",
+]
+
+
+def call_by_name(fn: Callable, **kwargs: Any) -> Any:
+    """Call ``fn`` with the keyword arguments its signature has; the rest are dropped."""
+    params = inspect.signature(inspect.unwrap(fn)).parameters
+    return fn(**{k: v for k, v in kwargs.items() if k in params})
+
+
+@dataclass
+class ThdBatch:
+    """A packed THD batch: per-sequence valid lengths and buffer offsets for q and kv."""
+
+    cu_q: List[int]
+    cu_kv: List[int]
+    pad_q: List[int]
+    pad_kv: List[int]
+    rows_q: int
+    rows_kv: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    dtype: torch.dtype
+    mask: str = "padding_causal"
+    window: Tuple[int, int] = (-1, -1)
+    bottom_right_diagonal: Optional[bool] = None
+    tensors: Dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def lq(self) -> List[int]:
+        return [b - a for a, b in zip(self.cu_q, self.cu_q[1:])]
+
+    @property
+    def lk(self) -> List[int]:
+        return [b - a for a, b in zip(self.cu_kv, self.cu_kv[1:])]
+
+    def offsets(self, device: torch.device | str) -> Dict[str, torch.Tensor]:
+        i32 = dict(dtype=torch.int32, device=device)
+        return {
+            "cu_seqlens_q": torch.tensor(self.cu_q, **i32),
+            "cu_seqlens_kv": torch.tensor(self.cu_kv, **i32),
+            "cu_seqlens_q_padded": torch.tensor(self.pad_q, **i32),
+            "cu_seqlens_kv_padded": torch.tensor(self.pad_kv, **i32),
+        }
+
+    def max_seqlens(self) -> Tuple[int, int]:
+        """Max padded segment length, rounded up to 64 (TE's convention for THD)."""
+
+        def seg_max(pad: Sequence[int]) -> int:
+            m = max([b - a for a, b in zip(pad, pad[1:])] or [1])
+            return max(64, (m + 63) // 64 * 64)
+
+        return seg_max(self.pad_q), seg_max(self.pad_kv)
+
+
+def make_batch(
+    lq: Sequence[int],
+    lk: Sequence[int],
+    *,
+    heads_q: int,
+    heads_kv: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    gap_q: Sequence[int] | int = 0,
+    gap_kv: Sequence[int] | int = 0,
+    lead: int = 0,
+    tail: int = 0,
+    mask: str = "padding_causal",
+    window: Tuple[int, int] = (-1, -1),
+    bottom_right_diagonal: Optional[bool] = None,
+) -> ThdBatch:
+    """Lay sequences out with ``gap`` padding rows after each, ``lead`` rows before the
+    first and ``tail`` rows after the last (rows that belong to no sequence)."""
+    n = len(lq)
+    gq = [gap_q] * n if isinstance(gap_q, int) else list(gap_q)
+    gk = [gap_kv] * n if isinstance(gap_kv, int) else list(gap_kv)
+
+    def layout(lengths: Sequence[int], gaps: Sequence[int]):
+        cu, pad = [0], [lead]
+        for length, gap in zip(lengths, gaps):
+            cu.append(cu[-1] + length)
+            pad.append(pad[-1] + length + gap)
+        return cu, pad
+
+    cu_q, pad_q = layout(lq, gq)
+    cu_kv, pad_kv = layout(lk, gk)
+    return ThdBatch(
+        cu_q=cu_q,
+        cu_kv=cu_kv,
+        pad_q=pad_q,
+        pad_kv=pad_kv,
+        rows_q=pad_q[-1] + tail,
+        rows_kv=pad_kv[-1] + tail,
+        heads_q=heads_q,
+        heads_kv=heads_kv,
+        head_dim=head_dim,
+        dtype=dtype,
+        mask=mask,
+        window=window,
+        bottom_right_diagonal=bottom_right_diagonal,
+    )
+
+
+def seed_batch(second_call: bool = True) -> ThdBatch:
+    """The original report: 2 query heads, 1 KV head, d 8, fp16; cu_seqlens_q [0,1,3]
+    then [0,0,3] (the second call has a sequence without queries), kv [0,3,9], padded
+    [0,4,12] for both."""
+    cu_q = [0, 0, 3] if second_call else [0, 1, 3]
+    return ThdBatch(
+        cu_q=cu_q,
+        cu_kv=[0, 3, 9],
+        pad_q=[0, 4, 12],
+        pad_kv=[0, 4, 12],
+        rows_q=12,
+        rows_kv=12,
+        heads_q=2,
+        heads_kv=1,
+        head_dim=8,
+        dtype=torch.float16,
+        mask="padding_causal",
+    )
+
+
+def random_inputs(batch: ThdBatch, device: str = "cuda", seed: int = 0) -> Dict[str, torch.Tensor]:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rnd(rows: int, heads: int) -> torch.Tensor:
+        t = torch.randn(rows, heads, batch.head_dim, generator=g, dtype=torch.float32)
+        return t.to(device=device, dtype=batch.dtype)
+
+    out = {
+        "q": rnd(batch.rows_q, batch.heads_q),
+        "k": rnd(batch.rows_kv, batch.heads_kv),
+        "v": rnd(batch.rows_kv, batch.heads_kv),
+        "d_o": rnd(batch.rows_q, batch.heads_q),
+    }
+    batch.tensors = out
+    return out
+
+
+def _fused_attn():
+    from transformer_engine.pytorch.cpp_extensions import fused_attn
+
+    return fused_attn
+
+
+def _backend():
+    fa = _fused_attn()
+    enum = getattr(fa, "FusedAttnBackend", None)
+    if enum is None:  # older TE: the pybind enum lives in tex
+        import transformer_engine_torch as tex
+
+        return tex.NVTE_Fused_Attn_Backend.NVTE_F16_arbitrary_seqlen
+    return enum["F16_arbitrary_seqlen"]
+
+
+def _common_kwargs(batch: ThdBatch, device: str) -> Dict[str, Any]:
+    max_q, max_kv = batch.max_seqlens()
+    kw: Dict[str, Any] = dict(
+        max_seqlen_q=max_q,
+        max_seqlen_kv=max_kv,
+        fake_dtype=batch.dtype,
+        fused_attention_backend=_backend(),
+        attn_scale=batch.head_dim**-0.5,
+        dropout=0.0,
+        qkv_layout="thd_thd_thd",
+        o_format="thd",
+        do_format="thd",
+        dqkv_layout="thd_thd_thd",
+        attn_bias_type="no_bias",
+        attn_mask_type=batch.mask,
+        window_size=batch.window,
+        bottom_right_diagonal=batch.bottom_right_diagonal,
+        deterministic=False,
+    )
+    kw.update(batch.offsets(device))
+    return kw
+
+
+def te_forward(batch: ThdBatch, device: str = "cuda") -> Tuple[torch.Tensor, Any]:
+    """TE's ``fused_attn_fwd`` on the batch's tensors: ``(out, aux_ctx_tensors)``."""
+    t = batch.tensors
+    out, aux = call_by_name(
+        _fused_attn().fused_attn_fwd,
+        is_training=True,
+        q=t["q"],
+        k=t["k"],
+        v=t["v"],
+        **_common_kwargs(batch, device),
+    )[:2]
+    t["o"] = out
+    t["aux"] = aux
+    return out, aux
+
+
+def te_backward(
+    batch: ThdBatch, fn: Optional[Callable] = None, device: str = "cuda", **extra: Any
+) -> List[torch.Tensor]:
+    """``fn`` (default: TE's current ``fused_attn_bwd``) on the batch; returns its output."""
+    fa = _fused_attn()
+    fn = fa.fused_attn_bwd if fn is None else fn
+    t = batch.tensors
+    kw = _common_kwargs(batch, device)
+    params = inspect.signature(inspect.unwrap(fn)).parameters
+    if "dqkv_dtype" in params:  # TE 2.8
+        from transformer_engine.pytorch.constants import TE_DType
+
+        kw["dqkv_dtype"] = TE_DType[batch.dtype]
+    kw.update(extra)
+    return call_by_name(
+        fn,
+        q=t["q"],
+        k=t["k"],
+        v=t["v"],
+        o=t["o"],
+        d_o=t["d_o"],
+        aux_ctx_tensors=t["aux"],
+        **kw,
+    )
+
+
+def poison_allocator(value: float = 1000.0, numel: int = 1 << 28, device: str = "cuda") -> None:
+    """Fill a large block with ``value`` and free it, so the caching allocator hands it
+    to the next large allocation (TE's workspace): the deterministic trigger."""
+    block = torch.full((numel,), value, device=device, dtype=torch.float32)
+    del block
+
+
+def attention_mask(lq: int, lk: int, batch: ThdBatch) -> torch.Tensor:
+    """[lq, lk] bool, True where query i attends key j (the mask's definition)."""
+    from .masks import key_span
+
+    span = key_span(batch.mask, batch.window, batch.bottom_right_diagonal)
+    i = torch.arange(lq).view(-1, 1)
+    j = torch.arange(lk).view(1, -1)
+    allowed = torch.zeros(lq, lk, dtype=torch.bool)
+    for use, s in ((span.top_left, 0), (span.bottom_right, lk - lq)):
+        if not use:
+            continue
+        ok = torch.ones(lq, lk, dtype=torch.bool)
+        if span.window_left >= 0:
+            ok &= j >= i + s - span.window_left
+        if span.window_right >= 0:
+            ok &= j <= i + s + span.window_right
+        allowed |= ok
+    return allowed
+
+
+def reference_attention(
+    batch: ThdBatch, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> Dict[str, torch.Tensor]:
+    """Per-sequence softmax attention and its autograd gradients in ``dtype``.
+
+    Rows outside sequences get 0 (their true gradient); a query with no key gets
+    output 0 and gradient 0. Returns ``o, dq, dk, dv`` laid out like TE's buffers.
+    """
+    t = {
+        k: v.detach().to(device=device, dtype=dtype)
+        for k, v in batch.tensors.items()
+        if k in ("q", "k", "v", "d_o")
+    }
+    group = batch.heads_q // batch.heads_kv
+    o = torch.zeros_like(t["q"])
+    dq = torch.zeros_like(t["q"])
+    dk = torch.zeros_like(t["k"])
+    dv = torch.zeros_like(t["v"])
+    scale = batch.head_dim**-0.5
+    for b, (lq, lk) in enumerate(zip(batch.lq, batch.lk)):
+        if lq == 0 or lk == 0:
+            continue
+        sq, sk = batch.pad_q[b], batch.pad_kv[b]
+        q = t["q"][sq : sq + lq].clone().requires_grad_(True)
+        k = t["k"][sk : sk + lk].clone().requires_grad_(True)
+        v = t["v"][sk : sk + lk].clone().requires_grad_(True)
+        kk = k.repeat_interleave(group, dim=1)
+        vv = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("ihd,jhd->hij", q, kk) * scale
+        allowed = attention_mask(lq, lk, batch).to(device)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        out = torch.einsum("hij,jhd->ihd", probs, vv)
+        out.backward(t["d_o"][sq : sq + lq])
+        o[sq : sq + lq] = out.detach()
+        dq[sq : sq + lq] = q.grad
+        dk[sk : sk + lk] = k.grad
+        dv[sk : sk + lk] = v.grad
+    return {"o": o, "dq": dq, "dk": dk, "dv": dv}

@@ -1,0 +1,93 @@
+"""End to end through TE's own module: DotProductAttention(thd, GQA), cuDNN backend.
+
+Patched with ``install()``, the gradients match the fp32 reference and the call counter
+proves TE's own call site went through the wrapper. Unpatched, a poisoned block between
+forward and backward corrupts the KV rows of q-empty sequences on affected stacks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import te_gqa_fix
+from te_gqa_fix.reproduce import make_batch, poison_allocator, random_inputs
+
+from .checks import compare, corrupted, exact, references
+
+pytestmark = pytest.mark.gpu
+
+
+def _dpa_step(te, batch, poison: bool):
+    h, g, d = batch.heads_q, batch.heads_kv, batch.head_dim
+    dpa = te.DotProductAttention(
+        num_attention_heads=h,
+        kv_channels=d,
+        num_gqa_groups=g,
+        qkv_format="thd",
+        attn_mask_type=batch.mask,
+        attention_dropout=0.0,
+    )
+    t = batch.tensors
+    q, k, v = (t[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v"))
+    max_q, max_kv = batch.max_seqlens()
+    out = dpa(
+        q,
+        k,
+        v,
+        qkv_format="thd",
+        cu_seqlens_q=batch.offsets("cuda")["cu_seqlens_q"],
+        cu_seqlens_kv=batch.offsets("cuda")["cu_seqlens_kv"],
+        cu_seqlens_q_padded=batch.offsets("cuda")["cu_seqlens_q_padded"],
+        cu_seqlens_kv_padded=batch.offsets("cuda")["cu_seqlens_kv_padded"],
+        max_seqlen_q=max_q,
+        max_seqlen_kv=max_kv,
+    )
+    if poison:
+        poison_allocator(1000.0)
+    out.backward(t["d_o"].reshape(out.shape))
+    torch.cuda.synchronize()
+    return [q.grad, k.grad, v.grad]
+
+
+@pytest.mark.parametrize("heads", [(8, 2), (16, 1)])
+def test_dpa_thd_gqa(te, cudnn, affected, heads, record):
+    hq, hkv = heads
+    batch = make_batch(
+        [40, 0, 64, 0, 17],
+        [48, 30, 64, 12, 17],
+        heads_q=hq,
+        heads_kv=hkv,
+        head_dim=128,
+        dtype=torch.bfloat16,
+        gap_q=[2, 0, 4, 1, 3],
+        gap_kv=[0, 2, 0, 4, 1],
+        tail=5,
+        mask="padding_causal",
+    )
+    random_inputs(batch, seed=7)
+    refs = references(batch)
+
+    te_gqa_fix.uninstall()
+    te_gqa_fix.reset_call_counts()
+    unpatched = compare(batch, _dpa_step(te, batch, poison=True), refs)
+    assert te_gqa_fix.call_counts()["calls"] == 0
+
+    sites = te_gqa_fix.install()
+    assert any(s.endswith("backends.fused_attn_bwd") for s in sites), sites
+    patched = compare(batch, _dpa_step(te, batch, poison=True), refs)
+    counts = te_gqa_fix.call_counts()
+    record(
+        cudnn=".".join(map(str, cudnn)),
+        affected=affected,
+        heads=f"{hq}/{hkv}",
+        unpatched_corrupted=corrupted(unpatched),
+        unpatched_dk_dead_max=unpatched["dk_dead_max"],
+        counts=counts,
+        sites=sites,
+        **patched,
+    )
+    assert counts["fixed"] >= 1, counts  # TE's own call site reached the wrapper
+    assert exact(patched), patched
+    if affected:
+        assert corrupted(unpatched), unpatched

@@ -1,0 +1,175 @@
+"""CUDA graphs and host syncs: the post-pass must be capturable and never sync.
+
+TE calls ``fused_attn_bwd`` inside graph capture (``cuda_graph=True``); a post-pass that
+read offsets on the host would break capture or bake one batch's offsets into the graph.
+Replays with new offsets (same shapes) must give the new batch's exact result.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import te_gqa_fix
+from te_gqa_fix.reproduce import make_batch, random_inputs, te_backward, te_forward
+
+from .checks import GRADS, compare, dead_masks, exact, references
+
+pytestmark = pytest.mark.gpu
+
+# Same number of sequences and buffer rows, different contents (q-empty moves around).
+PATTERNS = [
+    ([30, 0, 40, 10], [40, 20, 40, 16], [2, 3, 0, 11], [0, 4, 8, 0]),
+    ([0, 25, 0, 33], [24, 30, 20, 40], [4, 3, 2, 29], [6, 0, 8, 0]),
+    ([12, 12, 12, 0], [12, 30, 40, 30], [0, 0, 0, 60], [4, 0, 0, 12]),
+]
+
+
+def _batch(i, h=(8, 2), d=64, mask="padding_causal"):
+    lq, lk, gq, gk = PATTERNS[i]
+    rows_q = sum(lq) + sum(gq)
+    rows_kv = sum(lk) + sum(gk)
+    b = make_batch(
+        lq,
+        lk,
+        heads_q=h[0],
+        heads_kv=h[1],
+        head_dim=d,
+        dtype=torch.bfloat16,
+        gap_q=gq,
+        gap_kv=gk,
+        tail=0,
+        mask=mask,
+    )
+    assert (b.rows_q, b.rows_kv) == (rows_q, rows_kv)
+    return b
+
+
+def test_buffers_have_same_shape_across_patterns():
+    shapes = {(_batch(i).rows_q, _batch(i).rows_kv) for i in range(len(PATTERNS))}
+    assert len(shapes) == 1, shapes
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_postpass_never_syncs(te, impl):
+    from te_gqa_fix import triton_postpass
+
+    if impl == "triton" and not triton_postpass.available():
+        pytest.skip("triton not available")
+    b = _batch(1)
+    dk = torch.randn(b.rows_kv, 2, 64, device="cuda")
+    dv = torch.randn_like(dk)
+    dq = torch.randn(b.rows_q, 8, 64, device="cuda")
+    offs = b.offsets("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        te_gqa_fix.zero_dead_rows(dq, dk, dv, **offs, attn_mask_type=b.mask, impl=impl)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    dead = dead_masks(b)
+    assert torch.count_nonzero(dk[dead.kv]) == 0 and torch.count_nonzero(dq[dead.q]) == 0
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_postpass_graph_replay_new_offsets(te, impl, record):
+    from te_gqa_fix import triton_postpass
+
+    if impl == "triton" and not triton_postpass.available():
+        pytest.skip("triton not available")
+    b0 = _batch(0)
+    static = {k: v.clone() for k, v in b0.offsets("cuda").items()}
+    grads = {
+        "dq": torch.empty(b0.rows_q, 8, 64, device="cuda"),
+        "dk": torch.empty(b0.rows_kv, 2, 64, device="cuda"),
+        "dv": torch.empty(b0.rows_kv, 2, 64, device="cuda"),
+    }
+    fill = torch.randn(b0.rows_kv, 2, 64, device="cuda")
+    fill_q = torch.randn(b0.rows_q, 8, 64, device="cuda")
+
+    def body():
+        grads["dk"].copy_(fill)
+        grads["dv"].copy_(fill * 2)
+        grads["dq"].copy_(fill_q)
+        te_gqa_fix.zero_dead_rows(
+            grads["dq"],
+            grads["dk"],
+            grads["dv"],
+            **static,
+            attn_mask_type="padding_causal",
+            impl=impl,
+        )
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        body()  # warm-up (Triton compiles here, outside capture)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    for i in range(len(PATTERNS)):
+        b = _batch(i)
+        for k, v in b.offsets("cuda").items():
+            static[k].copy_(v)
+        graph.replay()
+        torch.cuda.synchronize()
+        dead = dead_masks(b)
+        for name, src, mask in (
+            ("dk", fill, dead.kv),
+            ("dv", fill * 2, dead.kv),
+            ("dq", fill_q, dead.q),
+        ):
+            want = src.masked_fill(mask.view(-1, 1, 1), 0)
+            assert torch.equal(grads[name], want), (impl, i, name)
+    record(impl=impl, patterns=len(PATTERNS), result="exact")
+
+
+def test_te_backward_with_wrapper_in_graph(te, cudnn, affected, record):
+    """Capture TE's forward + the wrapped backward; replay with new offsets."""
+    original = te_gqa_fix.wrapper.unwrap(te.cpp_extensions.fused_attn.fused_attn_bwd)
+    b0 = _batch(0)
+    random_inputs(b0, seed=3)
+    static = {k: v.clone() for k, v in b0.offsets("cuda").items()}
+    results = {}
+
+    def run(fn, batch):
+        # Route the batch through the static offset tensors captured by the graph.
+        batch.offsets = lambda device, _s=static: _s  # type: ignore[method-assign]
+        te_forward(batch)
+        return te_backward(batch, fn=fn, cuda_graph=True)
+
+    for label, fn in (("unpatched", original), ("patched", te_gqa_fix.make_wrapper(original))):
+        b = _batch(0)
+        b.tensors = b0.tensors
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            run(fn, b)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run(fn, b)
+        worst = None
+        for i in range(len(PATTERNS)):
+            bi = _batch(i)
+            bi.tensors = b0.tensors
+            for k, v in bi.offsets("cuda").items():
+                static[k].copy_(v)
+            graph.replay()
+            torch.cuda.synchronize()
+            res = compare(bi, out, references(bi))
+            results[(label, i)] = res
+            if label == "patched":
+                assert exact(res), (i, res)
+            worst = res if worst is None else {k: max(worst[k], res[k]) for k in res}
+        record(
+            cudnn=".".join(map(str, cudnn)),
+            affected=affected,
+            label=label,
+            corrupted_any=any(results[(label, i)]["dk_dead_max"] > 0 for i in range(len(PATTERNS))),
+            **{f"{g}_err": worst[f"{g}_err"] for g in GRADS},
+            dk_dead_max=worst["dk_dead_max"],
+            dv_dead_max=worst["dv_dead_max"],
+        )
+        del graph

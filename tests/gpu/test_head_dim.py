@@ -1,0 +1,61 @@
+"""Head dims 192/256: on cuDNN older than 9.18 (Hopper) the backward is wrong on live
+rows too, a failure no post-pass can repair. This test documents it: expected to fail
+there (strict), expected to pass on newer cuDNN, with the post-pass installed either way.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import te_gqa_fix
+from te_gqa_fix.reproduce import (
+    make_batch,
+    poison_allocator,
+    random_inputs,
+    te_backward,
+    te_forward,
+)
+
+from .checks import compare, exact, references
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("d", [192, 256])
+def test_large_head_dim(te, cudnn, affected, d, heads, record, request):
+    if affected:
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True, reason="cuDNN < 9.18 on Hopper: d > 128 backward wrong on live rows"
+            )
+        )
+    batch = make_batch(
+        [40, 0, 64, 20],
+        [48, 30, 64, 20],
+        heads_q=heads[0],
+        heads_kv=heads[1],
+        head_dim=d,
+        dtype=torch.bfloat16,
+        gap_q=[2, 0, 4, 1],
+        gap_kv=[0, 2, 0, 4],
+        tail=3,
+        mask="padding_causal",
+    )
+    random_inputs(batch, seed=d)
+    te_forward(batch)
+    wrapper = te_gqa_fix.make_wrapper(
+        te_gqa_fix.wrapper.unwrap(te.cpp_extensions.fused_attn.fused_attn_bwd)
+    )
+    poison_allocator(1000.0)
+    res = compare(batch, te_backward(batch, fn=wrapper), references(batch))
+    record(
+        cudnn=".".join(map(str, cudnn)),
+        affected=affected,
+        d=d,
+        heads=f"{heads[0]}/{heads[1]}",
+        exact=exact(res),
+        **res,
+    )
+    assert exact(res), res
