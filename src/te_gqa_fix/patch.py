@@ -36,9 +36,16 @@ def _module_items(mod: ModuleType):
         return []
 
 
+_OWN_PACKAGE = __name__.rpartition(".")[0]
+
+
 def _holders(target: Callable) -> Iterator[Tuple[ModuleType, str]]:
-    for mod in list(sys.modules.values()):
+    """Every (module, attribute) that holds ``target``, except our own bookkeeping
+    (``_original``/``_wrapper`` here are references, not call sites)."""
+    for name, mod in list(sys.modules.items()):
         if not isinstance(mod, ModuleType):
+            continue
+        if name == _OWN_PACKAGE or name.startswith(_OWN_PACKAGE + "."):
             continue
         for attr, value in _module_items(mod):
             if value is target:
@@ -81,15 +88,16 @@ def uninstall() -> List[str]:
     with _lock:
         if _original is None or _wrapper is None:
             return []
+        original, wrapper = _original, _wrapper  # locals: the loop must not see rebinding
         restored: List[str] = []
         seen = set()
-        for mod, attr in list(_sites) + list(_holders(_wrapper)):
+        for mod, attr in list(_sites) + list(_holders(wrapper)):
             key = (id(mod), attr)
             if key in seen:
                 continue
             seen.add(key)
-            if getattr(mod, attr, None) is _wrapper:
-                setattr(mod, attr, _original)
+            if getattr(mod, attr, None) is wrapper:
+                setattr(mod, attr, original)
                 restored.append(f"{mod.__name__}.{attr}")
         _sites.clear()
         logger.info("te_gqa_fix: uninstalled from %d sites", len(restored))

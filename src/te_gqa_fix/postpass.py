@@ -23,7 +23,7 @@ import torch
 from ._logging import log_once
 from .masks import KeySpan, key_span
 from .policy import deep_validation_enabled
-from .validation import check_metadata, check_values
+from .validation import check_metadata, check_values, shape_of
 
 __all__ = ["DeadRows", "dead_row_masks", "zero_dead_rows", "zero_rows_"]
 
@@ -136,7 +136,7 @@ def _writable_rows(t: object, name: str) -> Optional[torch.Tensor]:
     if (
         isinstance(data, torch.Tensor)
         and data.dtype == torch.uint8
-        and tuple(data.shape) == tuple(getattr(t, "shape", ()))
+        and tuple(data.shape) == shape_of(t)
         and not transpose_live
     ):
         return data
@@ -202,8 +202,8 @@ def zero_dead_rows(
     check_metadata(
         dq, dk, dv, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded
     )
-    rows_q = None if dq is None else int(dq.shape[0])
-    rows_kv = int(dk.shape[0])
+    rows_q = None if dq is None else int(shape_of(dq)[0])  # type: ignore[index]
+    rows_kv = int(shape_of(dk)[0])  # type: ignore[index]
     if deep_validation_enabled():
         check_values(
             rows_q, rows_kv, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded

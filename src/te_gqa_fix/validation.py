@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["check_metadata", "check_values"]
+__all__ = ["check_metadata", "check_values", "shape_of"]
 
 
 def _offsets(name: str, value: object, device: Optional[torch.device]) -> torch.Tensor:
@@ -38,12 +38,31 @@ def _offsets(name: str, value: object, device: Optional[torch.device]) -> torch.
     return value
 
 
-def _rows(name: str, t: object) -> int:
+def shape_of(t: object) -> Optional[tuple]:
+    """The logical shape of a tensor or of a TE quantized tensor, without touching data.
+
+    TE's ``*TensorStorage`` classes (FP8 gradients can come back as those) have
+    ``size()`` but no ``shape``; reading them must not fail.
+    """
     shape = getattr(t, "shape", None)
+    if shape is None:
+        size = getattr(t, "size", None)
+        if callable(size):
+            try:
+                shape = size()
+            except Exception:  # a storage without data: shape unknown
+                shape = None
+    try:
+        return None if shape is None else tuple(shape)
+    except TypeError:
+        return None
+
+
+def _rows(name: str, t: object) -> int:
+    shape = shape_of(t)
     if shape is None or len(shape) != 3:
         raise ValueError(
-            f"{name}: expected a THD tensor of shape [tokens, heads, head_dim], "
-            f"got {None if shape is None else tuple(shape)}"
+            f"{name}: expected a THD tensor of shape [tokens, heads, head_dim], got {shape}"
         )
     return int(shape[0])
 
@@ -70,8 +89,7 @@ def check_metadata(
     rows_v = _rows(name_v, dv)
     if rows_k != rows_v:
         raise ValueError(
-            f"{name_v}: expected the same number of token rows as {name_k} ({rows_k}), "
-            f"got {rows_v}"
+            f"{name_v}: expected the same number of token rows as {name_k} ({rows_k}), got {rows_v}"
         )
     if dq is not None:
         _rows(name_q, dq)
@@ -128,7 +146,14 @@ def check_values(
     """Deep checks that read the offsets (host sync): monotonic, lengths fit, in bounds."""
     for side, rows, cu, pad, cu_name, pad_name in (
         ("q", rows_q, cu_seqlens_q, cu_seqlens_q_padded, "cu_seqlens_q", "cu_seqlens_q_padded"),
-        ("kv", rows_kv, cu_seqlens_kv, cu_seqlens_kv_padded, "cu_seqlens_kv", "cu_seqlens_kv_padded"),
+        (
+            "kv",
+            rows_kv,
+            cu_seqlens_kv,
+            cu_seqlens_kv_padded,
+            "cu_seqlens_kv",
+            "cu_seqlens_kv_padded",
+        ),
     ):
         valid = _check_monotonic(cu_name, cu)
         padded = valid if pad is None else _check_monotonic(pad_name, pad)

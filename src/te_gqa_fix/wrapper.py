@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 from ._logging import log_once, logger
 from .policy import get_policy
 from .postpass import zero_dead_rows
-from .validation import check_metadata
+from .validation import check_metadata, shape_of
 
 __all__ = [
     "MARKER",
@@ -118,7 +118,7 @@ class _Args:
 
 
 def _heads(t: object) -> Optional[int]:
-    shape = getattr(t, "shape", None)
+    shape = shape_of(t)  # also TE's FP8 storage classes, which have size() but no shape
     return int(shape[-2]) if shape is not None and len(shape) >= 2 else None
 
 
@@ -132,7 +132,12 @@ class _Plan:
 
 def _passthrough(key: object, msg: str, *args: object) -> None:
     _counts["passthrough"] += 1
-    log_once(("passthrough", key), logging.WARNING, "te_gqa_fix: " + msg + "; passed through untouched", *args)
+    log_once(
+        ("passthrough", key),
+        logging.WARNING,
+        "te_gqa_fix: " + msg + "; passed through untouched",
+        *args,
+    )
 
 
 def _plan(binder: _Args, args: Sequence, kwargs: Mapping[str, Any]) -> Optional[_Plan]:
@@ -147,7 +152,9 @@ def _plan(binder: _Args, args: Sequence, kwargs: Mapping[str, Any]) -> Optional[
     layout = binder.get(args, kwargs, layout_name)
     formats = parse_layout(layout)
     if formats is None:
-        _passthrough(("layout", layout), "%s=%r is not a layout te-gqa-fix knows", layout_name, layout)
+        _passthrough(
+            ("layout", layout), "%s=%r is not a layout te-gqa-fix knows", layout_name, layout
+        )
         return None
     fix_q, fix_kv = formats
     if not fix_kv:
@@ -183,7 +190,11 @@ def _plan(binder: _Args, args: Sequence, kwargs: Mapping[str, Any]) -> Optional[
 
 def _apply(plan: _Plan, out: object) -> None:
     if not isinstance(out, (list, tuple)) or len(out) < 3:
-        _passthrough(("output", type(out).__name__), "fused_attn_bwd returned %s, not (dq, dk, dv, ...)", type(out).__name__)
+        _passthrough(
+            ("output", type(out).__name__),
+            "fused_attn_bwd returned %s, not (dq, dk, dv, ...)",
+            type(out).__name__,
+        )
         return
     dq, dk, dv = out[0], out[1], out[2]
     zero_dead_rows(dq if plan.fix_q else None, dk, dv, **plan.kwargs)
@@ -207,7 +218,12 @@ def make_wrapper(original: Callable) -> Callable:
     def fused_attn_bwd(*args: Any, **kwargs: Any) -> Any:
         _counts["calls"] += 1
         if binder is None:
-            _passthrough(("signature", id(original)), "cannot read the signature of %r (%s)", original, reason)
+            _passthrough(
+                ("signature", id(original)),
+                "cannot read the signature of %r (%s)",
+                original,
+                reason,
+            )
             return original(*args, **kwargs)
         plan = _plan(binder, args, kwargs)
         out = original(*args, **kwargs)
@@ -232,7 +248,11 @@ def wrapper_for(original: Callable) -> Callable:
         return cached
     wrapper = make_wrapper(original)
     _wrappers[id(original)] = wrapper
-    logger.debug("te_gqa_fix: wrapped %s.%s", getattr(original, "__module__", "?"), getattr(original, "__qualname__", "?"))
+    logger.debug(
+        "te_gqa_fix: wrapped %s.%s",
+        getattr(original, "__module__", "?"),
+        getattr(original, "__qualname__", "?"),
+    )
     return wrapper
 
 

@@ -1,0 +1,373 @@
+"""The wrapper binds TE's arguments by name, for TE 2.8 and TE 2.20 signatures.
+
+Fake ``fused_attn_bwd`` functions carry the exact signatures of TE 2.8.0 and 2.20.2
+(``fakes/te_signatures.py``) and return ``[dq, dk, dv, extra]`` with stale values in
+every row. They are called the ways TE's call sites call them (all positional as in
+``FusedAttnFunc``, 12 positional plus keywords as in ``context_parallel.py``, keywords
+only, and with defaults left out); the wrapper must route every argument to the
+post-pass, return the very object TE returned, zero exactly the oracle's rows and leave
+everything else alone.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+import pytest
+import torch
+
+import te_gqa_fix
+from fakes.oracle import assert_rows, bits, expected_keep, make_ragged
+from fakes.te_outputs import (
+    FakeQuantizer,
+    FakeTE,
+    call_arguments,
+    parameter_names,
+    split_call,
+)
+from fakes.te_signatures import SIGNATURES
+from te_gqa_fix import make_wrapper
+from te_gqa_fix.wrapper import is_wrapper, unwrap
+
+VERSIONS = ("2.8", "2.20")
+# Sequences (lq, lk): ordinary, q-empty (the bug), kv-empty, square, lq > lk, empty;
+# padding after each, rows before the first offset and after the last.
+RAGGED = make_ragged(
+    [(3, 5), (0, 4), (4, 0), (2, 2), (5, 3), (0, 0)],
+    gaps_q=[1, 0, 2, 1, 0, 1],
+    gaps_kv=[2, 1, 0, 1, 1, 0],
+    lead_q=1,
+    lead_kv=2,
+    tail_q=2,
+    tail_kv=3,
+)
+# (attn_mask_type, window_size, bottom_right_diagonal): chosen so that reading any of the
+# three from the wrong place changes the rows to zero.
+MASK_CASES = {
+    "padding_causal": ("padding_causal", (-1, -1), None),
+    "bottom_right_window": ("padding_causal_bottom_right", (1, 0), None),
+    "padding_window_br_flag": ("padding", (2, 0), True),
+    "padding_window_tl": ("padding", (0, 1), False),
+}
+# How many leading parameters are passed positionally (the rest by keyword):
+# 0 = keywords only, 12/13 = context_parallel.py style, None = all (FusedAttnFunc).
+CUTS = (0, 3, "cp", None)
+
+
+def _n_positional(cut: object, names: list, version: str) -> int:
+    if cut is None:
+        return len(names)
+    if cut == "cp":  # every parameter before cu_seqlens_q_padded
+        return names.index("cu_seqlens_q_padded")
+    return int(cut)  # type: ignore[arg-type]
+
+
+def _expected_brd(version: str, brd: Optional[bool]) -> Optional[bool]:
+    return brd if version == "2.20" else None  # TE 2.8 has no bottom_right_diagonal
+
+
+def _check_fixed(
+    fake: FakeTE,
+    out: Any,
+    mask: str,
+    window: Tuple[int, int],
+    brd: Optional[bool],
+    fix_q: bool = True,
+) -> None:
+    assert out is fake.backend.returned, "the wrapper must return TE's own object"
+    assert type(out) is list and len(out) == 4
+    keep_q, keep_kv = expected_keep(RAGGED, mask, window, brd)
+    outputs = fake.backend.outputs
+    if "dkv" in outputs:
+        after, before = outputs["dkv"]
+        assert_rows(after, before, keep_kv, "dkv buffer")
+    for name in ("dk", "dv"):
+        after, before = outputs[name]
+        assert_rows(after, before, keep_kv, name)
+    after, before = outputs["dq"]
+    if fix_q:
+        assert_rows(after, before, keep_q, "dq")
+    else:
+        assert torch.equal(bits(after), bits(before))
+    after, before = outputs["extra"]
+    assert torch.equal(bits(after), bits(before)), "extra outputs must be untouched"
+
+
+def _check_untouched(fake: FakeTE, out: Any) -> None:
+    assert out is fake.backend.returned
+    for name, (after, before) in fake.backend.outputs.items():
+        assert torch.equal(bits(after), bits(before)), f"{name} was modified"
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("layout", ["thd_thd_thd", "thd_t2hd", "thd_th2d"])
+@pytest.mark.parametrize("case", sorted(MASK_CASES))
+@pytest.mark.parametrize("cut", CUTS, ids=str)
+def test_wrapper_routes_arguments_and_zeroes_oracle_rows(
+    version: str, layout: str, case: str, cut: object
+) -> None:
+    mask, window, brd = MASK_CASES[case]
+    fake = FakeTE(version)
+    wrapped = make_wrapper(fake.fn)
+    arguments = call_arguments(
+        version,
+        RAGGED,
+        layout=layout,
+        attn_mask_type=mask,
+        window_size=window,
+        bottom_right_diagonal=brd,
+    )
+    names = fake.names
+    assert sorted(arguments) == sorted(names)
+    args, kwargs = split_call(names, arguments, _n_positional(cut, names, version))
+
+    out = wrapped(*args, **kwargs)
+
+    # TE's function saw exactly what the caller passed, nothing added or changed.
+    assert len(fake.backend.calls) == 1
+    seen = fake.backend.calls[0]
+    assert set(seen) == set(names)
+    for name in names:
+        assert seen[name] is arguments[name], name
+    _check_fixed(fake, out, mask, window, _expected_brd(version, brd))
+    assert te_gqa_fix.call_counts() == {"calls": 1, "fixed": 1, "skipped": 0, "passthrough": 0}
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_defaults_left_out_like_context_parallel(version: str) -> None:
+    # TE 2.20's context_parallel.py passes neither window_size nor bottom_right_diagonal:
+    # the wrapper must use the signature's defaults ((-1, -1), None -> by mask name).
+    fake = FakeTE(version)
+    wrapped = make_wrapper(fake.fn)
+    arguments = call_arguments(version, RAGGED, attn_mask_type="padding_causal_bottom_right")
+    names = fake.names
+    n = names.index("cu_seqlens_q_padded")
+    kwargs = {
+        k: arguments[k]
+        for k in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded", "qkv_layout", "attn_mask_type")
+    }
+    if version == "2.20":
+        kwargs["dqkv_layout"] = arguments["dqkv_layout"]
+    out = wrapped(*[arguments[x] for x in names[:n]], **kwargs)
+    _check_fixed(fake, out, "padding_causal_bottom_right", (-1, -1), None)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_wrapper_metadata(version: str) -> None:
+    fake = FakeTE(version)
+    wrapped = make_wrapper(fake.fn)
+    assert wrapped.__wrapped__ is fake.fn
+    assert is_wrapper(wrapped) and not is_wrapper(fake.fn)
+    assert unwrap(wrapped) is fake.fn
+    assert make_wrapper(wrapped) is wrapped, "wrapping a wrapper must not nest"
+    assert wrapped.__name__ == "fused_attn_bwd"
+    # It accepts exactly what the original accepts.
+    assert inspect.signature(wrapped) == inspect.signature(fake.fn)
+    with pytest.raises(TypeError):
+        wrapped(*range(3), no_such_argument=1)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("layout", ["thd_thd_thd", "thd_t2hd"])
+def test_mha_untouched_under_auto_fixed_under_always(
+    version: str, layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = FakeTE(version)
+    wrapped = make_wrapper(fake.fn)
+    arguments = call_arguments(version, RAGGED, heads_q=2, heads_kv=2, layout=layout)
+    out = wrapped(**arguments)
+    _check_untouched(fake, out)
+    assert te_gqa_fix.call_counts()["skipped"] == 1
+    assert te_gqa_fix.call_counts()["fixed"] == 0
+
+    monkeypatch.setenv("TE_GQA_FIX", "always")
+    out = wrapped(**arguments)
+    _check_fixed(fake, out, "padding_causal", (-1, -1), None)
+    assert te_gqa_fix.call_counts()["fixed"] == 1
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("value", ["off", "0", "OFF "])
+def test_policy_off_is_a_pure_pass_through(
+    version: str, value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TE_GQA_FIX", value)
+    fake = FakeTE(version)
+    wrapped = make_wrapper(fake.fn)
+    # Even metadata the post-pass would reject (int64 offsets) goes straight to TE.
+    arguments = call_arguments(version, RAGGED, offsets_dtype=torch.int64)
+    out = wrapped(**arguments)
+    _check_untouched(fake, out)
+    assert fake.backend.calls[0]["cu_seqlens_q"] is arguments["cu_seqlens_q"]
+    assert te_gqa_fix.call_counts()["fixed"] == 0
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("layout", ["bshd_bshd_bshd", "sbhd_sb2hd", "bs3hd"])
+def test_non_thd_layout_untouched(version: str, layout: str) -> None:
+    fake = FakeTE(version)
+    wrapped = make_wrapper(fake.fn)
+    heads = (2, 2) if "3" in layout else (4, 2)
+    arguments = call_arguments(version, RAGGED, layout=layout, heads_q=heads[0], heads_kv=heads[1])
+    out = wrapped(**arguments)
+    _check_untouched(fake, out)
+    assert te_gqa_fix.call_counts()["skipped"] == 1
+
+
+def test_dqkv_layout_decides_on_te_2_20() -> None:
+    # THD inputs, 4-D gradients requested: the gradients' layout is what matters.
+    fake = FakeTE("2.20")
+    wrapped = make_wrapper(fake.fn)
+    arguments = call_arguments("2.20", RAGGED)
+    arguments["dqkv_layout"] = "bshd_bshd_bshd"
+    out = wrapped(**arguments)
+    _check_untouched(fake, out)
+    # And packed THD gradients from separate THD inputs are fixed through the views.
+    arguments["dqkv_layout"] = "thd_t2hd"
+    out = wrapped(**arguments)
+    assert "dkv" in fake.backend.outputs
+    _check_fixed(fake, out, "padding_causal", (-1, -1), None)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_thd_q_with_padded_kv_layout_untouched(version: str) -> None:
+    # thd_bshd_bshd: dK/dV are not THD, nothing to do (dQ of such calls is not damaged).
+    fake = FakeTE(version)
+    wrapped = make_wrapper(fake.fn)
+    arguments = call_arguments(version, RAGGED, layout="thd_bshd_bshd")
+    arguments["k"] = arguments["v"] = torch.zeros(2, 5, 2, 3)
+    out = wrapped(**arguments)
+    _check_untouched(fake, out)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_unknown_layout_passed_through_and_logged_once(
+    version: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake = FakeTE(version)
+    wrapped = make_wrapper(fake.fn)
+    arguments = call_arguments(version, RAGGED, layout="thd_thd_thd")
+    layout_arg = "dqkv_layout" if version == "2.20" else "qkv_layout"
+    arguments[layout_arg] = "thd_future_layout"
+    with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
+        for _ in range(3):
+            out = wrapped(**arguments)
+            _check_untouched(fake, out)
+    records = [r for r in caplog.records if "thd_future_layout" in r.getMessage()]
+    assert len(records) == 1, [r.getMessage() for r in caplog.records]
+    assert records[0].levelno == logging.WARNING
+    assert layout_arg in records[0].getMessage()
+    assert te_gqa_fix.call_counts()["passthrough"] == 3
+
+
+def test_unbindable_signature_passed_through_and_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    calls = []
+
+    def opaque(*args: Any, **kwargs: Any) -> list:
+        calls.append((args, kwargs))
+        return ["sentinel"]
+
+    wrapped = make_wrapper(opaque)
+    with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
+        first = wrapped(1, 2, x=3)
+        second = wrapped(4)
+    assert first == ["sentinel"] and second == ["sentinel"]
+    assert calls == [((1, 2), {"x": 3}), ((4,), {})]
+    assert len([r for r in caplog.records if "cannot read the signature" in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("with_shape", [True, False], ids=["Float8Tensor", "Float8TensorStorage"])
+def test_fp8_outputs_raw_bytes_zeroed(version: str, with_shape: bool) -> None:
+    fake = FakeTE(version)
+    wrapped = make_wrapper(fake.fn)
+    arguments = call_arguments(
+        version, RAGGED, dqkv_quantizer=FakeQuantizer(columnwise=False, with_shape=with_shape)
+    )
+    out = wrapped(**arguments)
+    assert out is fake.backend.returned
+    keep_q, keep_kv = expected_keep(RAGGED, "padding_causal")
+    for name, keep in (("dq", keep_q), ("dk", keep_kv), ("dv", keep_kv)):
+        after, before = fake.backend.outputs[name]
+        assert after.dtype == torch.uint8
+        assert out[("dq", "dk", "dv").index(name)]._data is after
+        assert_rows(after, before, keep, name)  # byte 0 is +0 in E4M3 and E5M2
+    after, before = fake.backend.outputs["extra"]
+    assert torch.equal(bits(after), bits(before))
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("with_shape", [True, False], ids=["Float8Tensor", "Float8TensorStorage"])
+def test_fp8_with_live_transpose_passes_through_with_one_warning(
+    version: str, with_shape: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake = FakeTE(version)
+    wrapped = make_wrapper(fake.fn)
+    arguments = call_arguments(
+        version, RAGGED, dqkv_quantizer=FakeQuantizer(columnwise=True, with_shape=with_shape)
+    )
+    with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
+        for _ in range(2):
+            out = wrapped(**arguments)
+            _check_untouched(fake, out)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
+    assert "passed through" in warnings[0].getMessage()
+
+
+def test_wrapper_zeroes_in_place_without_copying_outputs() -> None:
+    # The post-pass writes into TE's buffers (a copy would be lost on the caller's side).
+    fake = FakeTE("2.20")
+    wrapped = make_wrapper(fake.fn)
+    out = wrapped(**call_arguments("2.20", RAGGED, layout="thd_t2hd"))
+    buf, _ = fake.backend.outputs["dkv"]
+    assert out[1]._base is buf and out[2]._base is buf
+    assert out[1].data_ptr() == buf[:, 0].data_ptr()
+
+
+def test_binding_check_fails_without_the_post_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The binding checks must be able to fail: drop the post-pass and they report it.
+    from te_gqa_fix import postpass
+
+    monkeypatch.setattr(postpass, "zero_rows_", lambda *a, **k: None)
+    fake = FakeTE("2.20")
+    out = make_wrapper(fake.fn)(**call_arguments("2.20", RAGGED))
+    with pytest.raises(AssertionError, match="must be 0"):
+        _check_fixed(fake, out, "padding_causal", (-1, -1), None)
+
+
+# ---------------------------------------------------------------- the fakes are faithful
+
+
+def _signature_source(root: Path) -> Optional[str]:
+    path = root / "transformer_engine/pytorch/cpp_extensions/fused_attn.py"
+    if not path.is_file():
+        return None
+    text = path.read_text()
+    start = text.index("def fused_attn_bwd(")
+    end = text.index(") ->", start)
+    return text[start : text.index("\n", end) + 1]
+
+
+@pytest.mark.parametrize(("version", "root"), [("2.8", "/tmp/te28"), ("2.20", "/tmp/te220")])
+def test_fake_signatures_are_verbatim_copies(version: str, root: str) -> None:
+    # Where TE's sources are unpacked (the development machine), the stored signature
+    # text must be an exact copy of TE's.
+    real = _signature_source(Path(root))
+    if real is None:
+        pytest.skip(f"TE {version} sources not unpacked at {root}")
+    assert SIGNATURES[version] == real
+
+
+def test_fake_signatures_differ_where_te_changed() -> None:
+    names: Dict[str, list] = {v: parameter_names(FakeTE(v).fn) for v in VERSIONS}
+    assert "dqkv_dtype" in names["2.8"] and "dqkv_dtype" not in names["2.20"]
+    for added in ("o_format", "do_format", "dqkv_layout", "bottom_right_diagonal", "cuda_graph"):
+        assert added in names["2.20"] and added not in names["2.8"]
+    # The positions moved: a fixed-position reader would read the wrong argument.
+    assert names["2.8"].index("attn_mask_type") != names["2.20"].index("attn_mask_type")

@@ -1,0 +1,266 @@
+"""``install``/``uninstall``/``patched`` against a fake ``transformer_engine`` package.
+
+The fake (``fakes/te_package.py``) is imported from a temporary directory. Its original
+``fused_attn_bwd`` raises ``AssertionError("patch did not take ...")`` when a consumer
+calls it directly with the marker argument, so every consumer that still holds the
+original after ``install()`` fails loudly instead of silently skipping the fix.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+import te_gqa_fix
+from fakes import te_package
+from fakes.oracle import assert_rows, bits, expected_keep, make_ragged
+from fakes.te_outputs import call_arguments
+from te_gqa_fix import install, is_installed, patched, uninstall
+from te_gqa_fix.wrapper import is_wrapper
+
+RAGGED = make_ragged(
+    [(2, 4), (0, 3), (3, 2)], gaps_q=[1, 0, 1], gaps_kv=[0, 2, 1], lead_kv=1, tail_kv=2
+)
+PRELOADED = ("backends", "context_parallel", "framework")
+
+
+def _arguments() -> Dict[str, Any]:
+    return call_arguments("2.20", RAGGED, backend=te_package.MUST_BE_PATCHED)
+
+
+def _import_te() -> Dict[str, Any]:
+    """Import the fake TE and the framework module (consumers loaded before install)."""
+    importlib.import_module("transformer_engine.pytorch")
+    importlib.import_module("fake_framework.attn")
+    return {
+        "fused_attn": sys.modules[te_package.DEFINING],
+        "cpp_extensions": sys.modules[te_package.REEXPORT],
+        **{key: sys.modules[te_package.CONSUMERS[key]] for key in PRELOADED},
+    }
+
+
+def _holders(mods: Dict[str, Any]) -> Dict[str, Any]:
+    """What each site currently holds under the name its module uses."""
+    return {
+        "fused_attn": mods["fused_attn"].fused_attn_bwd,
+        "cpp_extensions": mods["cpp_extensions"].fused_attn_bwd,
+        "backends": mods["backends"].fused_attn_bwd,
+        "context_parallel": mods["context_parallel"].fused_attn_bwd,
+        "framework": mods["framework"].te_fused_attn_bwd,
+    }
+
+
+def _assert_fixed(out: List[Any]) -> None:
+    assert out is te_package.BACKEND.returned
+    keep_q, keep_kv = expected_keep(RAGGED, "padding_causal")
+    for name, keep in (("dq", keep_q), ("dk", keep_kv), ("dv", keep_kv)):
+        after, before = te_package.BACKEND.outputs[name]
+        assert_rows(after, before, keep, name)
+
+
+def test_fake_original_fails_loudly_when_not_patched(fake_te: Path) -> None:
+    mods = _import_te()
+    for key in PRELOADED:
+        with pytest.raises(AssertionError, match="patch did not take"):
+            mods[key].backward(_arguments())
+    # Without the marker the original works (the fake is otherwise an ordinary TE).
+    plain = call_arguments("2.20", RAGGED)
+    out = mods["backends"].backward(plain)
+    assert out is te_package.BACKEND.returned
+    for after, before in te_package.BACKEND.outputs.values():
+        assert torch.equal(bits(after), bits(before))
+
+
+def test_install_rebinds_every_consumer(fake_te: Path) -> None:
+    mods = _import_te()
+    original = mods["fused_attn"].fused_attn_bwd
+    assert not is_installed()
+
+    sites = install()
+
+    assert is_installed()
+    expected_sites = {
+        f"{te_package.DEFINING}.fused_attn_bwd",
+        f"{te_package.REEXPORT}.fused_attn_bwd",
+        f"{te_package.CONSUMERS['backends']}.fused_attn_bwd",
+        f"{te_package.CONSUMERS['context_parallel']}.fused_attn_bwd",
+        f"{te_package.CONSUMERS['framework']}.te_fused_attn_bwd",
+    }
+    assert set(sites) == expected_sites, sites
+    holders = _holders(mods)
+    wrapper = holders["fused_attn"]
+    assert is_wrapper(wrapper) and wrapper.__wrapped__ is original
+    for key, fn in holders.items():
+        assert fn is wrapper, key
+    for key in PRELOADED:
+        te_package.BACKEND.reset()
+        out = mods[key].backward(_arguments())  # the marker now passes: through the wrapper
+        _assert_fixed(out)
+    assert te_package.DIRECT_CALLERS == []
+
+
+def test_install_is_idempotent(fake_te: Path) -> None:
+    mods = _import_te()
+    original = mods["fused_attn"].fused_attn_bwd
+    first = install()
+    wrapper = mods["fused_attn"].fused_attn_bwd
+    second = install()
+    assert first and second == [], "a second install must not rebind anything"
+    for key, fn in _holders(mods).items():
+        assert fn is wrapper, key
+        assert fn.__wrapped__ is original, key
+        assert not is_wrapper(fn.__wrapped__), f"{key}: wrapper wrapped twice"
+    out = mods["backends"].backward(_arguments())
+    _assert_fixed(out)
+    assert te_gqa_fix.call_counts()["fixed"] == 1
+
+
+def test_uninstall_restores_exactly_the_originals(fake_te: Path) -> None:
+    mods = _import_te()
+    before = _holders(mods)
+    original = before["fused_attn"]
+    install()
+    restored = uninstall()
+    assert not is_installed()
+    assert len(restored) == 5, restored
+    after = _holders(mods)
+    for key in before:
+        assert after[key] is before[key] is original, key
+    assert uninstall() == [], "uninstall when not installed is a no-op"
+    # The original is back: consumers reach it directly again (and the fake says so).
+    with pytest.raises(AssertionError, match="patch did not take"):
+        mods["context_parallel"].backward(_arguments())
+
+
+def test_consumer_imported_after_install(fake_te: Path) -> None:
+    mods = _import_te()
+    original = mods["fused_attn"].fused_attn_bwd
+    install()
+    late = importlib.import_module(te_package.CONSUMERS["late"])
+    assert late.fused_attn_bwd is mods["fused_attn"].fused_attn_bwd
+    out = late.backward(_arguments())
+    _assert_fixed(out)
+    restored = uninstall()
+    assert f"{te_package.CONSUMERS['late']}.fused_attn_bwd" in restored
+    assert late.fused_attn_bwd is original
+    with pytest.raises(AssertionError, match="patch did not take"):
+        late.backward(_arguments())
+
+
+def test_install_imports_te_itself(fake_te: Path) -> None:
+    # Nothing imported beforehand: install() loads transformer_engine.pytorch (and so the
+    # consumers it imports) and patches them.
+    assert te_package.DEFINING not in sys.modules
+    sites = install()
+    assert f"{te_package.CONSUMERS['backends']}.fused_attn_bwd" in sites
+    backends = sys.modules[te_package.CONSUMERS["backends"]]
+    _assert_fixed(backends.backward(_arguments()))
+
+
+def test_patched_context_manager(fake_te: Path) -> None:
+    mods = _import_te()
+    original = mods["fused_attn"].fused_attn_bwd
+    with patched() as sites:
+        assert is_installed() and len(sites) == 5
+        _assert_fixed(mods["backends"].backward(_arguments()))
+        with patched() as inner:
+            assert inner == [] and is_installed()
+        assert is_installed(), "the inner block must not uninstall the outer one"
+    assert not is_installed()
+    for key, fn in _holders(mods).items():
+        assert fn is original, key
+
+
+def test_patched_after_prior_install_leaves_it_installed(fake_te: Path) -> None:
+    mods = _import_te()
+    install()
+    wrapper = mods["fused_attn"].fused_attn_bwd
+    with patched():
+        assert is_installed()
+    assert is_installed()
+    for key, fn in _holders(mods).items():
+        assert fn is wrapper, key
+
+
+def test_patched_uninstalls_on_error(fake_te: Path) -> None:
+    mods = _import_te()
+    original = mods["fused_attn"].fused_attn_bwd
+    with pytest.raises(RuntimeError, match="boom"), patched():
+        raise RuntimeError("boom")
+    assert not is_installed()
+    assert mods["backends"].fused_attn_bwd is original
+
+
+def test_each_site_logged_once(fake_te: Path, caplog: pytest.LogCaptureFixture) -> None:
+    _import_te()
+    with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
+        install()
+        uninstall()
+        install()
+    site = f"{te_package.CONSUMERS['backends']}.fused_attn_bwd"
+    assert len([r for r in caplog.records if r.getMessage().endswith(site)]) == 1
+
+
+def test_drop_in_function_uses_installed_te(fake_te: Path) -> None:
+    mods = _import_te()
+    original = mods["fused_attn"].fused_attn_bwd
+    out = te_gqa_fix.fused_attn_bwd(**_arguments())  # reaches TE through the wrapper
+    _assert_fixed(out)
+    assert te_gqa_fix.fused_attn_bwd.__wrapped__ is original
+    # Positional, like TE's own call sites.
+    names = list(_arguments())
+    te_package.BACKEND.reset()
+    args = _arguments()
+    order = list(inspect.signature(original).parameters)
+    assert sorted(order) == sorted(names)
+    _assert_fixed(te_gqa_fix.fused_attn_bwd(*[args[n] for n in order]))
+    # And it shares the wrapper install() puts in place (no second wrapper).
+    install()
+    assert mods["fused_attn"].fused_attn_bwd.__wrapped__ is original
+
+
+def test_install_without_symbol_raises_clear_error(
+    fake_te: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    broken = tmp_path / "broken"
+    te_package.write_fake_te(broken, with_symbol=False)
+    monkeypatch.syspath_prepend(str(broken))
+    importlib.invalidate_caches()
+    with pytest.raises(ImportError, match="has no attribute 'fused_attn_bwd'"):
+        install()
+    assert not is_installed()
+
+
+def test_install_without_te_raises_import_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in te_package.loaded_fake_modules():
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)
+    with pytest.raises(ImportError, match="pip install"):
+        install()
+    assert not is_installed()
+
+
+def test_patch_check_fails_when_a_consumer_is_missed(
+    fake_te: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The fake must catch a patch that misses a consumer: pretend install() only knew
+    # the defining module (the hard-coded approach the issue rules out).
+    from te_gqa_fix import patch as patch_module
+
+    mods = _import_te()
+    defining = mods["fused_attn"]
+    monkeypatch.setattr(
+        patch_module,
+        "_holders",
+        lambda target: iter([(defining, "fused_attn_bwd")]),
+    )
+    install()
+    with pytest.raises(AssertionError, match="patch did not take"):
+        mods["backends"].backward(_arguments())
