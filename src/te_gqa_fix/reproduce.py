@@ -27,9 +27,20 @@ __all__ = [
 ]
 
 
+def _parameters(fn: Callable):
+    from . import wrapper
+
+    if fn is wrapper.fused_attn_bwd:
+        # The drop-in learns its original lazily; read the installed TE's signature.
+        from .te_compat import find_original
+
+        fn = find_original()
+    return inspect.signature(inspect.unwrap(fn)).parameters
+
+
 def call_by_name(fn: Callable, **kwargs: Any) -> Any:
     """Call ``fn`` with the keyword arguments its signature has; the rest are dropped."""
-    params = inspect.signature(inspect.unwrap(fn)).parameters
+    params = _parameters(fn)
     return fn(**{k: v for k, v in kwargs.items() if k in params})
 
 
@@ -227,8 +238,7 @@ def te_backward(
     fn = fa.fused_attn_bwd if fn is None else fn
     t = batch.tensors
     kw = _common_kwargs(batch, device)
-    params = inspect.signature(inspect.unwrap(fn)).parameters
-    if "dqkv_dtype" in params:  # TE 2.8
+    if "dqkv_dtype" in _parameters(fn):  # TE 2.8
         from transformer_engine.pytorch.constants import TE_DType
 
         kw["dqkv_dtype"] = TE_DType[batch.dtype]

@@ -2,11 +2,12 @@
 # GPU validation run (GPU machine, repository root, GPU kit staged; see docs/validation.md).
 # For each cuDNN build the kit offers (system 9.14 = affected, pip 9.19 = fixed upstream):
 # doctor, then the gpu-marked tests with per-case JSON records. Then the markdown report.
-# Writes under ${OUT:-/tmp/te-gqa-fix-validation}/res and packs it as results.tgz.
+# Writes the results folder ${RES:-/tmp/te-gqa-fix-validation} and packs it as
+# ${OUT:-that folder's parent}/validation.tgz (one file to bring back).
 set -uo pipefail
-out=${OUT:-/tmp/te-gqa-fix-validation}
-res="$out/res"
-mkdir -p "$res"
+res=${RES:-/tmp/te-gqa-fix-validation}
+out=${OUT:-$(dirname "$res")}
+mkdir -p "$res" "$out"
 builds=${BUILDS:-system pip}
 for build in $builds; do
   (
@@ -25,5 +26,6 @@ for build in $builds; do
 done
 python3 tests/gpu/report.py "$res" --builds "$(echo $builds | tr ' ' ',')" \
   --command "bash tests/gpu/run_validation.sh" >"$res/validation.md"
-tar czf "$out/results.tgz" -C "$out" res
-echo "results in $out/results.tgz"
+cp "$res/validation.md" "$out/validation.md"
+tar czf "$out/validation.tgz" -C "$(dirname "$res")" "$(basename "$res")"
+echo "results in $out/validation.tgz"
