@@ -1,0 +1,1 @@
+"""Multi-process (torchrun) tests: context parallelism with THD + GQA."""

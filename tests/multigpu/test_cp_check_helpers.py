@@ -1,0 +1,332 @@
+"""CPU tests of cp_check.py's pure parts: batch shapes, the DualChunkSwap cross-check, the
+fp32/bf16 references, and the pass/fail logic. No GPU, no TE: they run in CI, so the
+multi-GPU script's bookkeeping is checked before it ever reaches the GPU machine."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).with_name("cp_check.py")
+
+
+@pytest.fixture(scope="module")
+def cc() -> ModuleType:
+    name = "te_gqa_fix_tests_cp_check"
+    mod = sys.modules.get(name)
+    if mod is None:
+        spec = importlib.util.spec_from_file_location(name, SCRIPT)
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return mod
+
+
+def test_te2186_shape_is_the_issue_batch_at_cp2(cc):
+    pairs = cc.shape_pairs("te2186", 2)
+    assert cc.cumulative([n for n, _ in pairs]) == [0, 9, 17, 25, 37, 45, 57]
+    assert cc.cumulative([p for _, p in pairs]) == [0, 12, 20, 28, 40, 48, 60]
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("shape", ["te2186", "tailpad", "empty"])
+def test_shapes_padded_to_multiple_of_2cp(cc, shape, cp):
+    pairs = cc.shape_pairs(shape, cp)
+    for n, p in pairs:
+        assert 0 <= n <= p and p % (2 * cp) == 0
+
+
+def test_dual_chunk_swap_matches_te_docstring_example(cc):
+    # transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py,
+    # thd_sequence_order_to_cp_rank_order: cu_seqlens [0, 8, 16, 24, 40], cp_size 4; the
+    # values listed there are each token's position inside its sequence.
+    padded = [8, 8, 8, 16]
+    starts = cc.cumulative(padded)
+    pos = [t - starts[max(i for i in range(4) if starts[i] <= t)] for t in range(40)]
+    expected = {
+        0: [0, 7, 0, 7, 0, 7, 0, 1, 14, 15],
+        1: [1, 6, 1, 6, 1, 6, 2, 3, 12, 13],
+        2: [2, 5, 2, 5, 2, 5, 4, 5, 10, 11],
+        3: [3, 4, 3, 4, 3, 4, 6, 7, 8, 9],
+    }
+    for rank, want in expected.items():
+        assert [pos[t] for t in cc.dual_chunk_swap_indices(padded, 4, rank)] == want
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+@pytest.mark.parametrize("shape", ["te2186", "tailpad", "empty"])
+def test_partition_covers_every_row_once(cc, shape, cp):
+    padded = [p for _, p in cc.shape_pairs(shape, cp)]
+    rows = [cc.dual_chunk_swap_indices(padded, cp, r) for r in range(cp)]
+    assert len({len(r) for r in rows}) == 1
+    assert sorted(x for r in rows for x in r) == list(range(sum(padded)))
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_shapes_have_ranks_whose_second_half_is_pure_padding(cc, cp):
+    """The case TE #2186 is about: some rank holds a chunk of a sequence with no tokens."""
+    for shape in ("te2186", "tailpad"):
+        pairs = cc.shape_pairs(shape, cp)
+        hits = 0
+        for n, p in pairs:
+            c = p // (2 * cp)
+            for rank in range(cp):
+                second = 2 * cp - 1 - rank
+                if c and second * c >= n:
+                    hits += 1
+        assert hits > 0, (shape, cp)
+
+
+def test_valid_rows(cc):
+    valid, pad = cc.valid_rows([(2, 4), (0, 4), (4, 4)])
+    assert valid == [0, 1, 8, 9, 10, 11]
+    assert pad == [2, 3, 4, 5, 6, 7]
+
+
+def test_predicted_unsupported(cc):
+    assert cc.predicted_unsupported("a2a", 8, 1, 2) is not None
+    assert cc.predicted_unsupported("a2a", 8, 2, 4) is not None
+    assert cc.predicted_unsupported("a2a", 8, 2, 2) is None
+    assert cc.predicted_unsupported("a2a", 32, 8, 4) is None
+    assert cc.predicted_unsupported("p2p", 8, 1, 2) is None
+    assert cc.predicted_unsupported("all_gather", 8, 1, 4) is None
+
+
+def test_parse_heads(cc):
+    assert cc.parse_heads("8/2, 8/1,32/8") == [(8, 2), (8, 1), (32, 8)]
+    with pytest.raises(ValueError):
+        cc.parse_heads("8/3")
+
+
+def _sdpa_reference(q, k, v, dout, pairs, scale):
+    """Independent oracle: torch SDPA per sequence (causal), GQA by explicit expansion."""
+    qf, kf, vf = (x.detach().double().requires_grad_() for x in (q, k, v))
+    g = q.shape[1] // k.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    outs, grads = [], []
+    for (n, _), s in zip(pairs, _starts([p for _, p in pairs])):
+        if n == 0:
+            continue
+        qb = qf[s : s + n].transpose(0, 1)
+        kb = kf[s : s + n].repeat_interleave(g, 1).transpose(0, 1)
+        vb = vf[s : s + n].repeat_interleave(g, 1).transpose(0, 1)
+        ob = torch.nn.functional.scaled_dot_product_attention(
+            qb, kb, vb, is_causal=True, scale=scale
+        ).transpose(0, 1)
+        out[s : s + n] = ob.detach()
+        outs.append(ob)
+        grads.append(dout[s : s + n].double())
+    torch.autograd.backward(outs, grads)
+    return {"out": out, "dq": qf.grad, "dk": kf.grad, "dv": vf.grad}
+
+
+def _starts(values):
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out[:-1]
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (4, 1), (2, 2)])
+def test_fp32_reference_matches_sdpa(cc, heads):
+    torch.manual_seed(0)
+    hq, hkv = heads
+    pairs = [(5, 8), (0, 4), (8, 8), (1, 4)]
+    total = sum(p for _, p in pairs)
+    d = 16
+    q, dout = torch.randn(total, hq, d), torch.randn(total, hq, d)
+    k, v = torch.randn(total, hkv, d), torch.randn(total, hkv, d)
+    scale = d**-0.5
+    mine = cc.attention_ref(q, k, v, dout, pairs, scale, torch.float32, False)
+    oracle = _sdpa_reference(q, k, v, dout, pairs, scale)
+    for name in ("out", "dq", "dk", "dv"):
+        torch.testing.assert_close(mine[name].double(), oracle[name], atol=2e-5, rtol=2e-5)
+    _, pad = cc.valid_rows(pairs)
+    pad_t = torch.tensor(pad)
+    for name in ("out", "dq", "dk", "dv"):
+        assert mine[name].index_select(0, pad_t).abs().max().item() == 0.0
+
+
+def test_bf16_reference_error_and_bound_are_sane(cc):
+    """The flash-attention bound is positive and the bf16 reference is within it of fp32
+    (it is the yardstick, so it must be close but not exact)."""
+    torch.manual_seed(1)
+    pairs = [(9, 12), (8, 8), (12, 12)]
+    total = sum(p for _, p in pairs)
+    q, dout = torch.randn(total, 8, 32), torch.randn(total, 8, 32)
+    k, v = torch.randn(total, 2, 32), torch.randn(total, 2, 32)
+    ref = cc.attention_ref(q, k, v, dout, pairs, 32**-0.5, torch.float32, False)
+    low = cc.attention_ref(q, k, v, dout, pairs, 32**-0.5, torch.bfloat16, True)
+    valid, _ = cc.valid_rows(pairs)
+    rows = torch.tensor(valid)
+    for name in ("out", "dq", "dk", "dv"):
+        err = cc.max_abs(low[name], ref[name], rows)
+        atol = cc.ulp_atol(ref[name], rows, torch.bfloat16)
+        assert 0.0 < err < 0.5, (name, err)
+        assert atol > 0.0
+        # a corrupted tensor (the bug writes 1000 x group size) is far outside the bound
+        bad = ref[name].clone()
+        bad[rows[0]] += 4000.0
+        assert cc.max_abs(bad, ref[name], rows) > 2 * err + atol
+
+
+def test_max_abs_propagates_nan(cc):
+    a = torch.zeros(4, 2)
+    a[1, 0] = float("nan")
+    assert math.isnan(cc.max_abs(a, None, torch.tensor([0, 1])))
+    assert cc.max_abs(a, None, torch.tensor([0, 2])) == 0.0
+    assert cc.max_abs(a, None, torch.tensor([], dtype=torch.long)) == 0.0
+
+
+def _rec(comm, mode, status, **kw):
+    rec = {
+        "cp_comm_type": comm,
+        "heads_q": 8,
+        "heads_kv": 2,
+        "shape": "te2186",
+        "mode": mode,
+        "status": status,
+        "reasons": [],
+    }
+    rec.update(kw)
+    return rec
+
+
+def test_check_results_logic(cc):
+    good = {
+        "records": [
+            _rec("p2p", "patched", "pass"),
+            _rec("a2a", "patched", "unsupported"),
+            _rec("p2p", "unpatched", "corruption_observed"),
+            _rec("a2a", "unpatched", "unsupported"),
+            _rec("all_gather", "unpatched", "clean"),
+        ]
+    }
+    assert cc.check_results(good) == []
+    assert cc.check_results(good, mode="patched") == []
+    assert cc.check_results(good, mode="unpatched") == []
+
+    failing = {"records": [*good["records"], _rec("all_gather", "patched", "fail", reasons=["dk"])]}
+    assert any("all_gather" in p for p in cc.check_results(failing, mode="patched"))
+    assert cc.check_results(failing, mode="unpatched") == []
+
+    p2p_skipped = {"records": [_rec("p2p", "patched", "unsupported")]}
+    assert cc.check_results(p2p_skipped, mode="patched")
+
+    unpatched_error = {"records": [_rec("p2p", "unpatched", "error", reasons=["raised"])]}
+    assert cc.check_results(unpatched_error, mode="unpatched")
+
+    assert cc.check_results({"records": []})
+    assert cc.check_results({"records": good["records"], "fatal": "boom"})
+
+
+def test_results_are_strict_json_and_summarised(cc, tmp_path):
+    results = {
+        "stack": {"cp_size": 2, "cudnn_te": "9.14.0"},
+        "poison": True,
+        "records": [
+            _rec(
+                "p2p",
+                "unpatched",
+                "corruption_observed",
+                err_vs_fp32={"out": 0.01, "dq": 0.02, "dk": 4000.0, "dv": float("nan")},
+                bound={"out": 0.03, "dq": 0.05, "dk": 0.05, "dv": 0.05},
+                pad_rows_max_abs={"out": 0.0, "dq": 0.0, "dk": 0.0, "dv": float("inf")},
+                fixed_calls=[0, 0],
+                elapsed_s=1.5,
+            )
+        ],
+    }
+    path, spath = cc.write_results(str(tmp_path), results)
+    loaded = json.loads(Path(path).read_text(), parse_constant=lambda c: pytest.fail(c))
+    assert loaded["records"][0]["err_vs_fp32"]["dv"] == "nan"
+    text = Path(spath).read_text()
+    assert "corruption_observed" in text and "RESULT: PASS" in text
+
+
+# ----------------------------------------------------------------------------- dry run
+# The whole harness (torchrun, process groups, TE's partition helper, all-gather and
+# un-partition, references, install/uninstall and call counts, JSON, exit status) on CPU
+# with gloo, against the fake TE in fake_te/ whose fused_attn_bwd writes the bug's sentinel.
+
+REPO = Path(__file__).resolve().parents[2]
+FAKE_TE = Path(__file__).with_name("fake_te")
+
+
+def _dry_run(tmp_path, *extra, env=None):
+    import os
+    import subprocess
+
+    out = tmp_path / "out"
+    environ = dict(os.environ)
+    environ.pop("OUT", None)
+    environ.pop("GPU_KIT_CUDNN", None)
+    environ["PYTHONPATH"] = os.pathsep.join(
+        [str(FAKE_TE), str(REPO / "src"), environ.get("PYTHONPATH", "")]
+    )
+    environ.update(env or {})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(SCRIPT),
+        "--cpu-dry-run",
+        "--head-dim=16",
+        "--heads=4/2,4/1",
+        "--shapes=te2186,empty",
+        f"--out={out}",
+        *extra,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=environ)
+    path = out / "cp_results_cp2.json"
+    assert path.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc, json.loads(path.read_text())
+
+
+def _distributed_cpu_ok() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_gloo_available()
+
+
+@pytest.mark.skipif(not _distributed_cpu_ok(), reason="needs torch.distributed with gloo")
+def test_dry_run_patched_passes_unpatched_shows_sentinel(cc, tmp_path):
+    proc, results = _dry_run(tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert cc.check_results(results) == []
+    recs = results["records"]
+    assert results["stack"]["cp_size"] == 2
+    assert {r["cp_comm_type"] for r in recs} == {"p2p", "all_gather", "a2a"}
+    for r in recs:
+        if r["cp_comm_type"] == "a2a" and r["heads_kv"] == 1:
+            assert r["status"] == "unsupported"
+        elif r["mode"] == "patched":
+            assert r["status"] == "pass"
+            assert all(n > 0 for n in r["fixed_calls"])
+            assert r["pad_rows_max_abs"]["dk"] == 0.0
+        else:
+            # the fake writes 1000 x group size into dK/dV rows whose true gradient is 0
+            assert r["status"] == "corruption_observed"
+            group = r["heads_q"] // r["heads_kv"]
+            assert r["pad_rows_max_abs"]["dk"] == 1000.0 * group
+            assert all(n == 0 for n in r["fixed_calls"])
+    summary = (tmp_path / "out" / "cp_summary_cp2.txt").read_text()
+    assert "RESULT: PASS" in summary
+
+
+@pytest.mark.skipif(not _distributed_cpu_ok(), reason="needs torch.distributed with gloo")
+def test_dry_run_fails_when_the_fix_is_off(cc, tmp_path):
+    """The harness can fail: with the post-pass disabled, patched runs keep the sentinel."""
+    proc, results = _dry_run(tmp_path, "--comm=p2p", env={"TE_GQA_FIX": "off"})
+    assert proc.returncode != 0
+    problems = cc.check_results(results, mode="patched")
+    assert any("padding rows == 0" in p for p in problems), problems
+    assert any("fixed calls > 0" in p for p in problems), problems
