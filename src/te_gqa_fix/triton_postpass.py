@@ -1,11 +1,496 @@
-"""Triton kernel for the post-pass (CUDA). Placeholder until the kernel lands: unavailable."""
+"""The post-pass as one Triton kernel (CUDA): cost follows the rows it zeroes.
+
+Why a kernel: the PyTorch post-pass (:func:`te_gqa_fix.postpass.dead_row_masks` plus
+``masked_fill_``) is a dozen small launches that each touch every row of the buffer; at
+8K tokens that is 26-42% of the attention backward (H200, bf16, 32/8 heads, d 128). The work that must be done is tiny: read
+the ``4 x (batch + 1)`` offsets and write zeros into the rows whose true gradient is 0.
+
+How: one launch. Program ``(r, s)`` owns a block of ``BLOCK_T`` rows of either dK/dV
+(``r < nblk_kv``) or dQ (the rest). It finds each row's sequence by a binary search over
+the padded offsets, computes that sequence's ``lq``, ``lk`` and attended key interval
+``[lo, hi)`` from the valid offsets and the :class:`~te_gqa_fix.masks.KeySpan` (the same
+formulas as :func:`te_gqa_fix.postpass._key_bounds`), and returns at once when none of
+its rows is dead. Otherwise it stores zeros (masked stores: live rows are never written)
+into its share ``s`` of the column tiles of dK and dV (same program) or dQ. Packed
+layouts (``[T, 2, H, D]``, ``[T, H, 2, D]``, ``[T, 3, H, D]``...) are addressed through
+their row, head and dim strides, never copied. Offsets are int64 in-kernel, so buffers
+beyond 2^31 elements are fine.
+
+No host sync (shapes and strides only), launched on the current stream of the tensors'
+device, no allocation (offsets that are not contiguous get a tiny device copy): safe
+under CUDA-graph capture once compiled (warm it up first, as for any Triton kernel).
+Launch parameters are tuned by ``benchmarks/sweep_kernel.py``; see docs/performance.md.
+
+Triton is optional: nothing here imports it at module import time. :func:`available`
+imports it on first use. Anything the kernel does not handle (no CUDA, no Triton,
+quantized tensor subclasses, dtypes other than fp16/bf16/fp32, offsets that are not
+int32/int64, tensors with a zero stride) makes :func:`zero_dead_rows_triton` return
+False, and the caller falls back to the PyTorch implementation.
+"""
 
 from __future__ import annotations
 
+import logging
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from ._logging import log_once
+from .masks import KeySpan
+
+__all__ = ["available", "zero_dead_rows_triton"]
+
+# Filled in by _build() on first use: the kernel bodies below refer to these module
+# globals, which Triton resolves when it compiles (or interprets) them.
+tl: Any = None
+_seq_index_jit: Any = None
+_zero_tiles_jit: Any = None
+
+_kernel: Any = None
+_available: Optional[bool] = None
+_broken = False
+_sm_counts: Dict[int, int] = {}
+
+_HANDLED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_OFFSET_DTYPES = (torch.int32, torch.int64)
+
+#: Rows per program. Small enough that most programs of a large buffer exit after
+#: the search (no dead row), large enough to keep the grid of a 128K-token buffer
+#: within one or two waves.
+BLOCK_T = 16
+#: Elements per row in one store tile (a power of two). These defaults were within 7%
+#: of the best configuration of benchmarks/sweep_kernel.py at every workload on an H200.
+BLOCK_C = 128
+#: Aim for at least this many programs per SM (column tiles are split to get there).
+_PROGRAMS_PER_SM = 8
+_NUM_WARPS = 4
+
+
+# --------------------------------------------------------------------------- kernel
+# Plain functions, made Triton functions by _build(). Only long-standing ``tl`` APIs.
+
+
+def _seq_index(pad_ptr, rows, nseq, N_ITER: tl.constexpr):
+    """Per row: index ``b`` of the last offset ``pad[b] <= row`` (``-1`` if none).
+
+    Upper-bound binary search over the ``nseq + 1`` offsets; ``N_ITER`` iterations
+    (``(nseq + 1).bit_length()``) are always enough. Loop bounds are constexpr because
+    Triton 3.6's interpreter cannot iterate over a runtime scalar.
+    """
+    lo = tl.zeros_like(rows)
+    hi = tl.zeros_like(rows) + (nseq + 1)
+    for _ in range(N_ITER):
+        active = lo < hi
+        mid = (lo + hi) >> 1
+        val = tl.load(pad_ptr + mid, mask=active, other=0).to(tl.int64)
+        right = active & (val <= rows)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(active & (val > rows), mid, hi)
+    return lo - 1
+
+
+def _zero_tiles(
+    ptr,
+    rows,
+    dead,
+    n_heads,
+    head_dim,
+    stride_t,
+    stride_h,
+    stride_d,
+    split,
+    n_split,
+    N_TILES: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Store zeros at ``ptr[row, h, d]`` for the dead rows, column tiles split, split+n_split...
+
+    Columns are the flattened ``(h, d)`` with ``d`` padded to ``BLOCK_D`` (a power of two),
+    so the head and dim of a column are a shift and a mask away. ``N_TILES`` is this
+    program's tile count, rounded up: tiles past the last head are fully masked.
+    """
+    cols = tl.arange(0, BLOCK_C)
+    row_off = rows * stride_t
+    zero = tl.zeros([BLOCK_T, BLOCK_C], dtype=ptr.dtype.element_ty)
+    for i in range(N_TILES):
+        tile = split + i * n_split
+        flat = tile * BLOCK_C + cols
+        h = flat // BLOCK_D
+        d = flat % BLOCK_D
+        col_ok = (h < n_heads) & (d < head_dim)
+        col_off = h.to(tl.int64) * stride_h + d.to(tl.int64) * stride_d
+        mask = dead[:, None] & col_ok[None, :]
+        tl.store(ptr + (row_off[:, None] + col_off[None, :]), zero, mask=mask)
+
+
+def _postpass_kernel(
+    dq_ptr,
+    dk_ptr,
+    dv_ptr,
+    cu_q_ptr,
+    cu_kv_ptr,
+    pad_q_ptr,
+    pad_kv_ptr,
+    nseq,
+    rows_q,
+    rows_kv,
+    nblk_kv,
+    h_q,
+    d_q,
+    sq_t,
+    sq_h,
+    sq_d,
+    h_k,
+    d_k,
+    sk_t,
+    sk_h,
+    sk_d,
+    h_v,
+    d_v,
+    sv_t,
+    sv_h,
+    sv_d,
+    window_left,
+    window_right,
+    EXACT: tl.constexpr,
+    TOP_LEFT: tl.constexpr,
+    BOTTOM_RIGHT: tl.constexpr,
+    HAS_WL: tl.constexpr,
+    HAS_WR: tl.constexpr,
+    N_ITER: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BD_Q: tl.constexpr,
+    BD_K: tl.constexpr,
+    BD_V: tl.constexpr,
+    NT_Q: tl.constexpr,
+    NT_K: tl.constexpr,
+    NT_V: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    n_split = tl.num_programs(1)
+    lanes = tl.arange(0, BLOCK_T).to(tl.int64)
+    if pid < nblk_kv:
+        # dK/dV rows: kept iff inside sequence b and lo_b <= pos < hi_b.
+        rows = pid.to(tl.int64) * BLOCK_T + lanes
+        in_buf = rows < rows_kv
+        seg = _seq_index_jit(pad_kv_ptr, rows, nseq, N_ITER)
+        inside = in_buf & (seg >= 0) & (seg < nseq)
+        b = tl.where(inside, seg, 0)
+        start = tl.load(pad_kv_ptr + b, mask=inside, other=0).to(tl.int64)
+        q0 = tl.load(cu_q_ptr + b, mask=inside, other=0).to(tl.int64)
+        q1 = tl.load(cu_q_ptr + b + 1, mask=inside, other=0).to(tl.int64)
+        k0 = tl.load(cu_kv_ptr + b, mask=inside, other=0).to(tl.int64)
+        k1 = tl.load(cu_kv_ptr + b + 1, mask=inside, other=0).to(tl.int64)
+        lq = q1 - q0
+        lk = k1 - k0
+        pos = rows - start
+        zero = tl.zeros_like(lk)
+        if EXACT:
+            # Union over the enabled diagonal alignments; an empty interval adds nothing.
+            lo = lk
+            hi = zero
+            if TOP_LEFT:
+                lo_a = zero
+                if HAS_WL:
+                    lo_a = tl.maximum(zero - window_left, zero)
+                hi_a = lk
+                if HAS_WR:
+                    hi_a = tl.minimum(lk, lq + window_right)
+                nonempty = hi_a > lo_a
+                lo = tl.minimum(lo, tl.where(nonempty, lo_a, lk))
+                hi = tl.maximum(hi, tl.where(nonempty, hi_a, zero))
+            if BOTTOM_RIGHT:
+                shift = lk - lq
+                lo_b = zero
+                if HAS_WL:
+                    lo_b = tl.maximum(shift - window_left, zero)
+                hi_b = lk
+                if HAS_WR:
+                    hi_b = tl.minimum(lk, lq + shift + window_right)
+                nonempty_b = hi_b > lo_b
+                lo = tl.minimum(lo, tl.where(nonempty_b, lo_b, lk))
+                hi = tl.maximum(hi, tl.where(nonempty_b, hi_b, zero))
+            hi = tl.where(lq > 0, hi, zero)
+        else:
+            lo = zero
+            hi = tl.where(lq > 0, lk, zero)
+        keep = inside & (pos >= lo) & (pos < hi)
+        dead = in_buf & (keep == 0)
+        if tl.sum(dead.to(tl.int32), axis=0) > 0:
+            _zero_tiles_jit(
+                dk_ptr, rows, dead, h_k, d_k, sk_t, sk_h, sk_d, split, n_split,
+                NT_K, BLOCK_T, BLOCK_C, BD_K,
+            )  # fmt: skip
+            _zero_tiles_jit(
+                dv_ptr, rows, dead, h_v, d_v, sv_t, sv_h, sv_d, split, n_split,
+                NT_V, BLOCK_T, BLOCK_C, BD_V,
+            )  # fmt: skip
+    else:
+        # dQ rows: kept iff inside sequence b, pos < lq_b and lk_b > 0.
+        rows = (pid - nblk_kv).to(tl.int64) * BLOCK_T + lanes
+        in_buf = rows < rows_q
+        seg = _seq_index_jit(pad_q_ptr, rows, nseq, N_ITER)
+        inside = in_buf & (seg >= 0) & (seg < nseq)
+        b = tl.where(inside, seg, 0)
+        start = tl.load(pad_q_ptr + b, mask=inside, other=0).to(tl.int64)
+        q0 = tl.load(cu_q_ptr + b, mask=inside, other=0).to(tl.int64)
+        q1 = tl.load(cu_q_ptr + b + 1, mask=inside, other=0).to(tl.int64)
+        k0 = tl.load(cu_kv_ptr + b, mask=inside, other=0).to(tl.int64)
+        k1 = tl.load(cu_kv_ptr + b + 1, mask=inside, other=0).to(tl.int64)
+        pos = rows - start
+        keep = inside & (pos < q1 - q0) & (k1 - k0 > 0)
+        dead = in_buf & (keep == 0)
+        if tl.sum(dead.to(tl.int32), axis=0) > 0:
+            _zero_tiles_jit(
+                dq_ptr, rows, dead, h_q, d_q, sq_t, sq_h, sq_d, split, n_split,
+                NT_Q, BLOCK_T, BLOCK_C, BD_Q,
+            )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- host
+
+
+def _build() -> Any:
+    """Import Triton and turn the functions above into (compiled or interpreted) kernels."""
+    global tl, _seq_index_jit, _zero_tiles_jit, _kernel
+    if _kernel is None:
+        import triton
+        import triton.language as triton_language
+
+        tl = triton_language
+        _seq_index_jit = triton.jit(_seq_index)
+        _zero_tiles_jit = triton.jit(_zero_tiles)
+        _kernel = triton.jit(_postpass_kernel)
+    return _kernel
+
 
 def available() -> bool:
-    return False
+    """True when Triton imports and a CUDA device is present (computed once, cached).
+
+    Imports Triton on the first call only; never at package import.
+    """
+    global _available
+    if _available is None:
+        ok = False
+        try:
+            if torch.cuda.is_available():
+                import triton.language  # noqa: F401
+
+                ok = True
+        except Exception as exc:  # ImportError, or a broken install raising anything else
+            log_once(
+                ("triton-import",),
+                logging.INFO,
+                "te_gqa_fix: Triton unavailable (%s); using the PyTorch post-pass",
+                exc,
+            )
+        _available = ok
+    return _available and not _broken
 
 
-def zero_dead_rows_triton(*args, **kwargs) -> bool:
-    return False
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _why_unsupported(
+    dq: Optional[torch.Tensor],
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    offsets: Tuple[Optional[torch.Tensor], ...],
+    require_cuda: bool,
+) -> Optional[str]:
+    """None when the kernel handles these arguments, else why not (metadata only).
+
+    Runs on every call, so it is written for the common case (a few C-level checks).
+    """
+    device = dk.device
+    if require_cuda and device.type != "cuda":
+        return f"device {device}"
+    for t in (dk, dv) if dq is None else (dq, dk, dv):
+        if type(t) not in _PLAIN:
+            return f"{type(t).__name__} (not a plain torch.Tensor)"
+        if t.dim() != 3:
+            return f"a {t.dim()}-D gradient tensor"
+        if t.dtype not in _HANDLED_DTYPES:
+            return f"dtype {t.dtype}"
+        if t.device != device:
+            return "tensors on different devices"
+        if 0 in t.stride() and any(n > 1 and st == 0 for n, st in zip(t.shape, t.stride())):
+            return "an expanded (zero-stride) tensor"
+    for o in offsets:
+        if o is None:
+            continue
+        if type(o) not in _PLAIN or o.dim() != 1 or o.dtype not in _OFFSET_DTYPES:
+            return "offsets that are not 1-D int32/int64 tensors"
+        if o.device != device:
+            return "offsets on another device"
+    return None
+
+
+def _next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    count = _sm_counts.get(index)
+    if count is None:
+        count = int(torch.cuda.get_device_properties(index).multi_processor_count)
+        _sm_counts[index] = count
+    return count
+
+
+def _contig(o: torch.Tensor) -> torch.Tensor:
+    # TE's offsets are contiguous; a strided view gets a tiny device copy (no sync).
+    return o if o.is_contiguous() else o.contiguous()
+
+
+#: Launch plans by tensor metadata (shapes, strides, batch size, mask): the host work
+#: between two calls with the same layout is then a dict lookup. Bounded; cleared when full.
+_plans: Dict[tuple, Tuple[Tuple[int, int], tuple, Dict[str, Any]]] = {}
+_MAX_PLANS = 256
+
+
+def _plan(
+    q_t: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, has_q: bool, nseq: int, span: KeySpan
+) -> Tuple[Tuple[int, int], tuple, Dict[str, Any]]:
+    """(grid, scalar arguments, constexpr arguments) for one launch, cached."""
+    key = (
+        q_t.shape, q_t.stride(), dk.shape, dk.stride(), dv.shape, dv.stride(), has_q, nseq,
+        span, dk.device, BLOCK_T, BLOCK_C, _PROGRAMS_PER_SM, _NUM_WARPS,
+    )  # fmt: skip
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan
+    rows_kv = int(dk.shape[0])
+    rows_q = int(q_t.shape[0]) if has_q else 0
+    nblk_kv = -(-rows_kv // BLOCK_T)
+    nblk_q = -(-rows_q // BLOCK_T)
+    # Columns: flattened (head, dim padded to a power of two), in tiles of block_c.
+    widths = [int(t.shape[1]) * _next_pow2(int(t.shape[2])) for t in (q_t, dk, dv)]
+    block_c = max(1, min(BLOCK_C, _next_pow2(max(widths))))
+    tiles = [-(-w // block_c) for w in widths]
+    # Split the column tiles over grid axis 1 when the row blocks alone cannot fill the GPU.
+    target = _PROGRAMS_PER_SM * _sm_count(dk.device)
+    n_split = max(1, min(max(tiles), -(-target // max(1, nblk_kv + nblk_q)), 65535))
+    nt_q, nt_k, nt_v = (-(-n // n_split) for n in tiles)
+    exact = bool(span.exact)
+    has_wl = exact and span.window_left >= 0
+    has_wr = exact and span.window_right >= 0
+    scalars = (
+        nseq, rows_q, rows_kv, nblk_kv,
+        int(q_t.shape[1]), int(q_t.shape[2]), *q_t.stride(),
+        int(dk.shape[1]), int(dk.shape[2]), *dk.stride(),
+        int(dv.shape[1]), int(dv.shape[2]), *dv.stride(),
+        int(span.window_left) if has_wl else 0,
+        int(span.window_right) if has_wr else 0,
+    )  # fmt: skip
+    meta: Dict[str, Any] = dict(
+        EXACT=exact,
+        TOP_LEFT=bool(span.top_left),
+        BOTTOM_RIGHT=bool(span.bottom_right),
+        HAS_WL=has_wl,
+        HAS_WR=has_wr,
+        N_ITER=(nseq + 1).bit_length(),
+        BLOCK_T=BLOCK_T,
+        BLOCK_C=block_c,
+        BD_Q=_next_pow2(int(q_t.shape[2])),
+        BD_K=_next_pow2(int(dk.shape[2])),
+        BD_V=_next_pow2(int(dv.shape[2])),
+        NT_Q=nt_q if has_q else 0,
+        NT_K=nt_k,
+        NT_V=nt_v,
+    )
+    if dk.device.type == "cuda":
+        meta["num_warps"] = _NUM_WARPS
+    plan = ((nblk_kv + nblk_q, n_split), scalars, meta)
+    if len(_plans) >= _MAX_PLANS:
+        _plans.clear()
+    _plans[key] = plan
+    return plan
+
+
+def _launch(
+    dq: Optional[torch.Tensor],
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_kv: torch.Tensor,
+    cu_seqlens_q_padded: Optional[torch.Tensor],
+    cu_seqlens_kv_padded: Optional[torch.Tensor],
+    span: KeySpan,
+) -> None:
+    """Launch the kernel without checking Triton/CUDA availability.
+
+    The entry point the Triton interpreter tests use (``TRITON_INTERPRET=1``, CPU
+    tensors); callers must have checked the arguments with :func:`_why_unsupported`.
+    """
+    kernel = _build()
+    # With dq None its branch never runs; dk stands in so the launch has a pointer.
+    q_t = dk if dq is None else dq
+    grid, scalars, meta = _plan(q_t, dk, dv, dq is not None, cu_seqlens_q.numel() - 1, span)
+    if grid[0] == 0:
+        return
+    cu_q = _contig(cu_seqlens_q)
+    cu_kv = _contig(cu_seqlens_kv)
+    pad_q = cu_q if cu_seqlens_q_padded is None else _contig(cu_seqlens_q_padded)
+    pad_kv = cu_kv if cu_seqlens_kv_padded is None else _contig(cu_seqlens_kv_padded)
+    if dk.device.type == "cuda" and dk.device.index not in (None, torch.cuda.current_device()):
+        with torch.cuda.device(dk.device):  # Triton launches on the current device's stream
+            kernel[grid](q_t, dk, dv, cu_q, cu_kv, pad_q, pad_kv, *scalars, **meta)
+        return
+    kernel[grid](q_t, dk, dv, cu_q, cu_kv, pad_q, pad_kv, *scalars, **meta)
+
+
+def zero_dead_rows_triton(
+    dq: Optional[torch.Tensor],
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_kv: torch.Tensor,
+    cu_seqlens_q_padded: Optional[torch.Tensor] = None,
+    cu_seqlens_kv_padded: Optional[torch.Tensor] = None,
+    *,
+    span: KeySpan,
+) -> bool:
+    """Zero in place the rows :func:`te_gqa_fix.postpass.dead_row_masks` marks; True if done.
+
+    Same semantics as the PyTorch post-pass (KV row ``t`` is in sequence ``b`` when
+    ``pad_kv[b] <= t < pad_kv[b + 1]`` and kept iff its position lies in ``[lo_b, hi_b)``;
+    a dQ row is kept iff inside its sequence, ``pos < lq`` and ``lk > 0``; padded offsets
+    None means the valid ones). Returns False, having done nothing, when Triton or CUDA
+    is missing or the arguments are outside what the kernel handles; the caller then
+    runs the PyTorch implementation. No host sync.
+    """
+    global _broken
+    if not available():
+        return False
+    offsets = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
+    why = _why_unsupported(dq, dk, dv, offsets, require_cuda=True)
+    if why is not None:
+        log_once(
+            ("triton-unsupported", why),
+            logging.DEBUG,
+            "te_gqa_fix: Triton post-pass does not handle %s; using the PyTorch post-pass",
+            why,
+        )
+        return False
+    try:
+        _launch(
+            dq, dk, dv, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, span
+        )
+    except Exception as exc:  # compile or launch failure: never leave rows unzeroed
+        _broken = True
+        log_once(
+            ("triton-failed",),
+            logging.WARNING,
+            "te_gqa_fix: Triton post-pass failed (%r); using the PyTorch post-pass from now on",
+            exc,
+        )
+        return False
+    return True

@@ -1,0 +1,937 @@
+#!/usr/bin/env python3
+"""What the te-gqa-fix post-pass costs next to TE's ``fused_attn_bwd`` and the workarounds.
+
+Run on a CUDA machine with Transformer Engine (written against TE 2.20.2), from the repo
+root::
+
+    source .gpu-kit/env.sh && python benchmarks/bench_postpass.py            # all workloads
+    source .gpu-kit/env.sh && python benchmarks/bench_postpass.py --quick    # tight budget
+
+It writes ``bench.json`` and ``bench.md`` into ``--out`` (default ``$OUT``, else
+``./bench-out``) and prints the main table. Every workload, and every measurement in
+it, is independent: a failure is recorded in the output and the rest still runs.
+
+Timing: CUDA events, warm-up first, median of many calls.
+
+* ``device`` mode (GPU-only work): the GPU is first kept busy by ``torch.cuda._sleep``
+  so that Python has queued all the timed calls before they run; the events then read
+  the device time alone, without host launch gaps. The host time per call (queued,
+  no sync) is reported next to it.
+* ``wall`` mode (workarounds that block the host: ``torch.cuda.empty_cache()``, a loop
+  over ``cu_seqlens.tolist()``): the GPU is idle before each call and the events read
+  everything, host stalls included. These are compared with the wrapper in the same
+  mode.
+
+Physical bound: the bytes the post-pass must write (dead dK/dV rows x heads x dim x
+element size, plus dead dQ rows) divided by the device-to-device copy bandwidth measured
+in the same run (traffic: 2 x bytes copied / time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import inspect
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "src") not in sys.path:
+    sys.path.insert(0, str(ROOT / "src"))
+
+import te_gqa_fix  # noqa: E402
+from te_gqa_fix import triton_postpass  # noqa: E402
+from te_gqa_fix.masks import KeySpan, key_interval, key_span  # noqa: E402
+from te_gqa_fix.postpass import zero_dead_rows  # noqa: E402
+
+ENV_KEYS = ("GPU_KIT_CUDNN", "TE_GQA_FIX", "TE_GQA_FIX_VALIDATE")
+CLOCK_HZ = 1.98e9  # H200 boost clock, only used to size torch.cuda._sleep
+MAX_SLEEP_S = 0.2
+
+# --------------------------------------------------------------------------- workloads
+
+
+@dataclass
+class Workload:
+    name: str
+    h_q: int
+    h_kv: int
+    d: int
+    dtype: str
+    mask: str
+    lq: List[int]
+    lk: List[int]
+    pad: List[int]  # padded offsets, shared by Q and KV (TE's context-parallel convention)
+    rows: int
+    target_pct: Optional[float] = None  # post-pass / fused_attn_bwd target, percent
+
+    @property
+    def tokens(self) -> int:
+        return self.rows
+
+    def cu(self, lengths: List[int]) -> List[int]:
+        out = [0]
+        for n in lengths:
+            out.append(out[-1] + n)
+        return out
+
+
+def cp_workload(
+    name: str, tokens: int, h_q: int, h_kv: int, d: int, mask: str, cp: int = 2, target=None
+) -> Workload:
+    """A context-parallel-style step: 8 sequences of varied lengths packed as THD.
+
+    Sequences 1 and 4 have no query tokens on this step (their KV rows are the ones the
+    bug poisons); sequence 3 has half its queries; each sequence is padded to a multiple
+    of 2 x cp, two of them with an extra padding gap; the rows after the last sequence
+    (about 3% of the buffer) are tail rows.
+    """
+    fractions = [0.22, 0.08, 0.18, 0.05, 0.15, 0.12, 0.10, 0.10]
+    mult = 2 * cp
+    lk, lq, pad = [], [], [0]
+    for b, f in enumerate(fractions):
+        n = max(1, int(f * tokens * 0.97) - 1 - (b % 3))
+        lk.append(n)
+        lq.append(0 if b in (1, 4) else (n // 2 if b == 3 else n))
+        room = -(-n // mult) * mult + (mult if b in (2, 5) else 0)
+        pad.append(pad[-1] + room)
+    if pad[-1] > tokens:
+        raise ValueError(f"{name}: {pad[-1]} padded rows exceed {tokens}")
+    return Workload(name, h_q, h_kv, d, "bfloat16", mask, lq, lk, pad, tokens, target)
+
+
+def all_workloads(mask: str) -> Dict[str, Workload]:
+    wl = {
+        # The seed script's shape: q-empty first sequence, padded offsets [0, 4, 12].
+        "seed": Workload("seed", 2, 1, 8, "float16", mask, [0, 3], [3, 6], [0, 4, 12], 12),
+        "llama8b-8k": cp_workload("llama8b-8k", 8192, 32, 8, 128, mask, target=3.0),
+        "llama8b-32k": cp_workload("llama8b-32k", 32768, 32, 8, 128, mask, target=1.0),
+        "llama8b-128k": cp_workload("llama8b-128k", 131072, 32, 8, 128, mask),
+        "mqa-8k": cp_workload("mqa-8k", 8192, 16, 1, 128, mask),
+        "mqa-32k": cp_workload("mqa-32k", 32768, 16, 1, 128, mask),
+    }
+    return wl
+
+
+FULL = ["seed", "llama8b-8k", "llama8b-32k", "llama8b-128k", "mqa-8k", "mqa-32k"]
+QUICK = ["seed", "llama8b-8k", "llama8b-32k", "mqa-8k"]
+
+
+def dead_rows(wl: Workload, span: KeySpan) -> Tuple[int, int]:
+    """(dead KV rows, dead Q rows), counted on the host from the lists (reference)."""
+    cu_q, cu_kv = wl.cu(wl.lq), wl.cu(wl.lk)
+    kv = wl.pad[0] + (wl.rows - wl.pad[-1])
+    q = kv
+    for b in range(len(wl.lq)):
+        room = wl.pad[b + 1] - wl.pad[b]
+        lq, lk = cu_q[b + 1] - cu_q[b], cu_kv[b + 1] - cu_kv[b]
+        lo, hi = key_interval(lq, lk, span)
+        kv += room - max(0, hi - lo)
+        q += room - (lq if lk > 0 else 0)
+    return kv, q
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def _median_us(times_ms: List[float]) -> float:
+    return statistics.median(times_ms) * 1e3
+
+
+def _stats(times_ms: List[float], mode: str, host_s: Optional[float] = None) -> Dict[str, Any]:
+    out: Dict[str, Any] = {
+        "median_us": _median_us(times_ms),
+        "min_us": min(times_ms) * 1e3,
+        "max_us": max(times_ms) * 1e3,
+        "n": len(times_ms),
+        "mode": mode,
+    }
+    if host_s is not None:
+        out["host_us"] = host_s * 1e6
+    return out
+
+
+def _rotated(names: List[str], r: int) -> List[str]:
+    r %= len(names)
+    return names[r:] + names[:r]
+
+
+def time_device_group(
+    fns: Dict[str, Callable[[], Any]], reps: int, warmup: int, chunk: int = 5
+) -> Dict[str, Dict[str, Any]]:
+    """Device time per call of each function, interleaved round by round.
+
+    The GPU sleeps while the host queues ``chunk`` rounds (one call of each function,
+    in rotating order, so clock or thermal drift hits all alike); the events then read
+    device time only. ``host_us`` is the median host time to queue one call.
+    """
+    names = list(fns)
+    for _ in range(warmup):
+        for n in names:
+            fns[n]()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for n in names:
+        fns[n]()
+    round_s = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    times: Dict[str, List[float]] = {n: [] for n in names}
+    hosts: Dict[str, List[float]] = {n: [] for n in names}
+    done = 0
+    while done < reps:
+        k = min(chunk, reps - done)
+        torch.cuda._sleep(int(min(MAX_SLEEP_S, 2.0 * k * round_s + 50e-6) * CLOCK_HZ))
+        recorded = []
+        for i in range(k):
+            for n in _rotated(names, done + i):
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
+                h0 = time.perf_counter()
+                start.record()
+                fns[n]()
+                end.record()
+                hosts[n].append(time.perf_counter() - h0)
+                recorded.append((n, start, end))
+        torch.cuda.synchronize()
+        for n, start, end in recorded:
+            times[n].append(start.elapsed_time(end))
+        done += k
+    return {n: _stats(times[n], "device", statistics.median(hosts[n])) for n in names}
+
+
+def time_wall_group(
+    fns: Dict[str, Callable[[], Any]], reps: int, warmup: int
+) -> Dict[str, Dict[str, Any]]:
+    """Everything between two events on an idle GPU, host stalls included; interleaved."""
+    names = list(fns)
+    for _ in range(warmup):
+        for n in names:
+            fns[n]()
+    torch.cuda.synchronize()
+    times: Dict[str, List[float]] = {n: [] for n in names}
+    for r in range(reps):
+        for n in _rotated(names, r):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fns[n]()
+            end.record()
+            torch.cuda.synchronize()
+            times[n].append(start.elapsed_time(end))
+    return {n: _stats(times[n], "wall") for n in names}
+
+
+def time_device(fn: Callable[[], Any], reps: int, warmup: int) -> Dict[str, Any]:
+    return time_device_group({"f": fn}, reps, warmup)["f"]
+
+
+def time_wall(fn: Callable[[], Any], reps: int, warmup: int) -> Dict[str, Any]:
+    return time_wall_group({"f": fn}, reps, warmup)["f"]
+
+
+def check_no_sync(fn: Callable[[], Any]) -> str:
+    """'ok' when ``fn`` runs under ``torch.cuda.set_sync_debug_mode("error")``."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        result = "ok"
+    except RuntimeError as exc:
+        result = "SYNC: " + str(exc).splitlines()[0][:160]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    return result
+
+
+def bandwidth(reps: int) -> Dict[str, float]:
+    """Device-to-device copy and fill bandwidth on a 1 GiB buffer."""
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    src.fill_(1)
+    copy = time_device(lambda: dst.copy_(src), reps, 3)
+    fill = time_device(lambda: dst.zero_(), reps, 3)
+    return {
+        "bytes": n,
+        "copy_us": copy["median_us"],
+        "copy_traffic_GBps": 2 * n / copy["median_us"] / 1e3,
+        "fill_us": fill["median_us"],
+        "fill_GBps": n / fill["median_us"] / 1e3,
+    }
+
+
+# --------------------------------------------------------------------------- TE calls
+
+
+def _call_kwargs(fn: Callable, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """The keyword arguments ``fn`` accepts (TE's signature drifts between releases)."""
+    names = set(inspect.signature(fn).parameters)
+    return {k: v for k, v in kwargs.items() if k in names}
+
+
+class TE:
+    def __init__(self) -> None:
+        from transformer_engine.pytorch.cpp_extensions import fused_attn as fa
+
+        self.module = fa
+        self.fwd = fa.fused_attn_fwd
+        self.original = te_gqa_fix.te_compat.find_original(fa)
+        self.wrapper = te_gqa_fix.make_wrapper(self.original)
+        self.backend = fa.FusedAttnBackend["F16_arbitrary_seqlen"]
+
+
+def _common(wl: Workload, cu_q, cu_kv, pad, max_s: int) -> Dict[str, Any]:
+    return dict(
+        max_seqlen_q=max_s,
+        max_seqlen_kv=max_s,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_kv=cu_kv,
+        cu_seqlens_q_padded=pad,
+        cu_seqlens_kv_padded=pad,
+        attn_scale=None,
+        dropout=0.0,
+        fast_zero_fill=True,
+        qkv_layout="thd_thd_thd",
+        o_format="thd",
+        do_format="thd",
+        dqkv_layout="thd_thd_thd",
+        attn_bias_type="no_bias",
+        attn_mask_type=wl.mask,
+        window_size=(-1, -1),
+        deterministic=False,
+    )
+
+
+# --------------------------------------------------------------------------- workarounds
+
+
+def make_python_loop(
+    cu_q: torch.Tensor,
+    cu_kv: torch.Tensor,
+    pad_q: torch.Tensor,
+    pad_kv: torch.Tensor,
+    span: KeySpan,
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
+    """The obvious user fix: read the offsets on the host (sync), zero slices in a loop."""
+
+    def run(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        cq, ck, pq, pk = cu_q.tolist(), cu_kv.tolist(), pad_q.tolist(), pad_kv.tolist()
+
+        def zero(ts: Tuple[torch.Tensor, ...], a: int, b: int) -> None:
+            if b > a:
+                for t in ts:
+                    t[a:b].zero_()
+
+        n = len(cq) - 1
+        zero((dk, dv), 0, pk[0])
+        zero((dq,), 0, pq[0])
+        for i in range(n):
+            lq, lk = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
+            lo, hi = key_interval(lq, lk, span)
+            s, e = pk[i], pk[i + 1]
+            if hi > lo:
+                zero((dk, dv), s, s + lo)
+                zero((dk, dv), s + hi, e)
+            else:
+                zero((dk, dv), s, e)
+            zero((dq,), pq[i] + (lq if lk > 0 else 0), pq[i + 1])
+        zero((dk, dv), pk[n], dk.shape[0])
+        zero((dq,), pq[n], dq.shape[0])
+
+    return run
+
+
+# --------------------------------------------------------------------------- one workload
+
+
+def run_workload(wl: Workload, te: TE, args: argparse.Namespace) -> Dict[str, Any]:
+    res: Dict[str, Any] = {"workload": asdict(wl), "timings": {}, "checks": {}, "errors": {}}
+    dev = "cuda"
+    dtype = getattr(torch, wl.dtype)
+    span = key_span(wl.mask)
+    dead_kv, dead_q = dead_rows(wl, span)
+    esize = torch.finfo(dtype).bits // 8
+    res["dead_rows_kv"], res["dead_rows_q"] = dead_kv, dead_q
+    res["bytes_to_write"] = dead_kv * wl.h_kv * wl.d * esize * 2 + dead_q * wl.h_q * wl.d * esize
+    max_s = -(-max(b - a for a, b in zip(wl.pad[:-1], wl.pad[1:])) // 64) * 64
+
+    i32 = dict(dtype=torch.int32, device=dev)
+    cu_q = torch.tensor(wl.cu(wl.lq), **i32)
+    cu_kv = torch.tensor(wl.cu(wl.lk), **i32)
+    pad = torch.tensor(wl.pad, **i32)
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, device=dev, dtype=dtype)
+
+    q, k, v = (
+        randn(wl.rows, wl.h_q, wl.d),
+        randn(wl.rows, wl.h_kv, wl.d),
+        randn(wl.rows, wl.h_kv, wl.d),
+    )
+    d_o = randn(wl.rows, wl.h_q, wl.d)
+    common = _common(wl, cu_q, cu_kv, pad, max_s)
+    out, aux = te.fwd(
+        **_call_kwargs(
+            te.fwd,
+            dict(common, is_training=True, q=q, k=k, v=v, fake_dtype=dtype,
+                 fused_attention_backend=te.backend),
+        )
+    )  # fmt: skip
+    bwd_kw = _call_kwargs(
+        te.original,
+        dict(common, q=q, k=k, v=v, o=out, d_o=d_o, fake_dtype=dtype, aux_ctx_tensors=aux,
+             fused_attention_backend=te.backend),
+    )  # fmt: skip
+    offs = (cu_q, cu_kv, pad, pad)
+    reps, warm = args.reps, args.warmup
+    preps, pwarm = args.postpass_reps, args.postpass_warmup
+
+    def bwd() -> Any:
+        return te.original(**bwd_kw)
+
+    def wrapped() -> Any:
+        return te.wrapper(**bwd_kw)
+
+    def measure(name: str, thunk: Callable[[], Any]) -> None:
+        try:
+            res["timings"][name] = thunk()
+        except Exception as exc:
+            res["errors"][name] = f"{type(exc).__name__}: {exc}"[:400]
+            traceback.print_exc()
+
+    def check(name: str, thunk: Callable[[], Any]) -> None:
+        try:
+            res["checks"][name] = thunk()
+        except Exception as exc:
+            res["errors"]["check:" + name] = f"{type(exc).__name__}: {exc}"[:400]
+            traceback.print_exc()
+
+    # Fixed gradient buffers for the post-pass-alone timings (real bwd outputs).
+    grads = [t.clone() for t in bwd()[:3]]
+    dq0, dk0, dv0 = grads
+
+    def measure_group(group: Dict[str, Callable[[], Any]], timer: Callable, r: int, w: int) -> None:
+        ok = {}
+        for name, fn in group.items():  # one failing variant must not sink the others
+            try:
+                fn()
+                ok[name] = fn
+            except Exception as exc:
+                res["errors"][name] = f"{type(exc).__name__}: {exc}"[:400]
+                traceback.print_exc()
+        try:
+            res["timings"].update(timer(ok, r, w) if ok else {})
+        except Exception as exc:
+            res["errors"]["group:" + ",".join(ok)] = f"{type(exc).__name__}: {exc}"[:400]
+            traceback.print_exc()
+
+    def bwd_torch_fix() -> None:
+        g = bwd()
+        zero_dead_rows(g[0], g[1], g[2], *offs, attn_mask_type=wl.mask, impl="torch")
+
+    loop = make_python_loop(cu_q, cu_kv, pad, pad, span)
+
+    def empty_cache_bwd() -> Any:
+        torch.cuda.empty_cache()
+        return bwd()
+
+    def bwd_loop() -> None:
+        g = bwd()
+        loop(g[0], g[1], g[2])
+
+    # Full backward steps, interleaved: unfixed, the wrapper, and the GPU-only workarounds.
+    device_group: Dict[str, Callable[[], Any]] = {
+        "bwd": bwd,
+        "wrapper": wrapped,
+        "bwd+torch_postpass": bwd_torch_fix,
+    }
+    mha_parts: Dict[str, Callable[[], Any]] = {}
+    # Workaround: expand K/V to MHA (MHA takes cuDNN's path without the bug).
+    if wl.h_q != wl.h_kv and not args.skip_mha:
+        try:
+            group = wl.h_q // wl.h_kv
+            k_m, v_m = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            out_m, aux_m = te.fwd(
+                **_call_kwargs(
+                    te.fwd,
+                    dict(common, is_training=True, q=q, k=k_m, v=v_m, fake_dtype=dtype,
+                         fused_attention_backend=te.backend),
+                )
+            )  # fmt: skip
+            mha_kw = dict(bwd_kw, k=k_m, v=v_m, o=out_m, aux_ctx_tensors=aux_m)
+
+            def expand() -> Any:
+                return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+            def mha_bwd() -> Any:
+                return te.original(**mha_kw)
+
+            g_m = mha_bwd()
+
+            def group_sum(g: Any = g_m) -> Any:
+                dk_ = g[1].view(wl.rows, wl.h_kv, group, wl.d).sum(2)
+                dv_ = g[2].view(wl.rows, wl.h_kv, group, wl.d).sum(2)
+                return dk_, dv_
+
+            def mha_total() -> Any:
+                expand()
+                return group_sum(mha_bwd())
+
+            device_group["mha_total"] = mha_total
+            mha_parts = {"mha_expand": expand, "mha_bwd": mha_bwd, "mha_group_sum": group_sum}
+        except Exception as exc:
+            res["errors"]["mha"] = f"{type(exc).__name__}: {exc}"[:400]
+            traceback.print_exc()
+    measure_group(device_group, time_device_group, reps, warm)
+    for name, fn in mha_parts.items():
+        measure(name, lambda fn=fn: time_device(fn, reps, warm))
+    mha_parts.clear()
+    device_group.pop("mha_total", None)
+
+    # The post-pass alone, on fixed gradient buffers.
+    for name, fn in (
+        ("postpass_triton", lambda: zero_dead_rows(
+            dq0, dk0, dv0, *offs, attn_mask_type=wl.mask, impl="triton")),
+        ("postpass_kernel", lambda: triton_postpass.zero_dead_rows_triton(
+            dq0, dk0, dv0, *offs, span=span)),
+        ("postpass_torch", lambda: zero_dead_rows(
+            dq0, dk0, dv0, *offs, attn_mask_type=wl.mask, impl="torch")),
+    ):  # fmt: skip
+        measure(name, lambda fn=fn: time_device(fn, preps, pwarm))
+
+    # Workarounds that block the host, against the wrapper in the same (wall) mode.
+    wall_group = {
+        "bwd_wall": bwd,
+        "wrapper_wall": wrapped,
+        "empty_cache+bwd_wall": empty_cache_bwd,
+        "bwd+python_loop_wall": bwd_loop,
+    }
+    measure_group(wall_group, time_wall_group, reps, warm)
+    measure("python_loop_wall", lambda: time_wall(lambda: loop(dq0, dk0, dv0), preps, pwarm))
+    measure("postpass_triton_wall", lambda: time_wall(
+        lambda: zero_dead_rows(dq0, dk0, dv0, *offs, attn_mask_type=wl.mask, impl="triton"),
+        preps, pwarm,
+    ))  # fmt: skip
+
+    # Checks: the kernel agrees with the PyTorch post-pass and with the loop on real
+    # gradients; the bug shows on the unfixed call; nothing in the fix syncs the host.
+    def same_as_torch() -> Dict[str, bool]:
+        base = [t.clone() for t in bwd()[:3]]
+        for t in base:
+            t.view(t.shape[0], -1)[:, ::7] = float("nan")  # stale values anywhere
+        a, b, c = ([t.clone() for t in base] for _ in range(3))
+        ok_kernel = triton_postpass.zero_dead_rows_triton(*a, *offs, span=span)
+        zero_dead_rows(*b, *offs, attn_mask_type=wl.mask, impl="torch")
+        loop(*c)
+
+        def eq(x: List[torch.Tensor], y: List[torch.Tensor]) -> bool:
+            return all(torch.equal(s.view(torch.int16 if esize == 2 else torch.int32),
+                                   t.view(torch.int16 if esize == 2 else torch.int32))
+                       for s, t in zip(x, y))  # fmt: skip
+
+        return {
+            "kernel_ran": bool(ok_kernel),
+            "triton_eq_torch": eq(a, b),
+            "loop_eq_torch": eq(c, b),
+        }
+
+    check("equal", same_as_torch)
+
+    def poisoned() -> Dict[str, float]:
+        from te_gqa_fix.postpass import dead_row_masks
+
+        dead = dead_row_masks(*offs, rows_q=wl.rows, rows_kv=wl.rows, attn_mask_type=wl.mask)
+        out_ = {}
+        # Big enough for TE's outputs and cuDNN's fp32 partials (they come from the freed
+        # block); plus small blocks for the small-allocation pool.
+        n_big = max(1 << 28, 4 * wl.rows * wl.h_q * wl.d)
+        for label, fn in (("unfixed", bwd), ("wrapper", wrapped)):
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            junk = [torch.full((n_big,), 1000.0, device=dev)]
+            junk += [torch.full(((1 << 18) - 256,), 1000.0, device=dev) for _ in range(8)]
+            del junk
+            g = fn()
+            stale = torch.cat([g[1][dead.kv].abs().flatten(), g[2][dead.kv].abs().flatten()])
+            out_[f"{label}_max_abs_on_dead_kv_rows"] = (
+                float(stale.float().nan_to_num(1e30).max()) if stale.numel() else 0.0
+            )
+        return out_
+
+    check("poisoned_workspace", poisoned)
+
+    g_sync = bwd()[:3]
+    check("sync_postpass_triton", lambda: check_no_sync(
+        lambda: zero_dead_rows(*g_sync, *offs, attn_mask_type=wl.mask, impl="triton")))  # fmt: skip
+    check("sync_postpass_torch", lambda: check_no_sync(
+        lambda: zero_dead_rows(*g_sync, *offs, attn_mask_type=wl.mask, impl="torch")))  # fmt: skip
+    check("sync_te_bwd", lambda: check_no_sync(bwd))
+    check("sync_wrapper", lambda: check_no_sync(wrapped))
+    check("sync_python_loop (detector must fire)", lambda: check_no_sync(lambda: loop(*g_sync)))
+    res["postpass_impl"] = "triton" if triton_postpass.available() else "torch (triton unavailable)"
+    return res
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def _t(res: Dict[str, Any], name: str) -> Optional[float]:
+    t = res.get("timings", {}).get(name)
+    return None if t is None else t["median_us"]
+
+
+def summarize(res: Dict[str, Any], bw: Dict[str, float]) -> Dict[str, Any]:
+    s: Dict[str, Any] = {}
+    bwd, pp = _t(res, "bwd"), _t(res, "postpass_triton")
+    if "bytes_to_write" in res and bw.get("copy_traffic_GBps"):
+        s["bound_us"] = res["bytes_to_write"] / (bw["copy_traffic_GBps"] * 1e3)
+    if bwd and pp is not None:
+        s["postpass_pct_of_bwd"] = 100.0 * pp / bwd
+        target = res["workload"].get("target_pct")
+        if target is not None:
+            s["pct_target"] = target
+            s["pct_target_met"] = s["postpass_pct_of_bwd"] <= target
+    if pp is not None and "bound_us" in s:
+        limit = max(3.0 * s["bound_us"], 10.0)
+        s["bound_limit_us"] = limit
+        s["bound_target_met"] = pp <= limit
+        s["x_bound"] = pp / s["bound_us"] if s["bound_us"] > 0 else None
+    factors = {}
+    for name, ref in (
+        ("bwd+torch_postpass", "wrapper"),
+        ("mha_total", "wrapper"),
+        ("empty_cache+bwd_wall", "wrapper_wall"),
+        ("bwd+python_loop_wall", "wrapper_wall"),
+    ):
+        a, b = _t(res, name), _t(res, ref)
+        if a is not None and b:
+            factors[name] = a / b
+    s["workaround_over_wrapper"] = factors
+    s["wrapper_fastest"] = bool(factors) and all(f > 1.0 for f in factors.values())
+    return s
+
+
+def _fmt(x: Optional[float], unit: str = "", digits: int = 1) -> str:
+    if x is None:
+        return "-"
+    if unit == "ms":
+        return f"{x / 1e3:.2f} ms"
+    if unit == "us":
+        return f"{x:.{digits}f} us"
+    return f"{x:.{digits}f}"
+
+
+def markdown(report: Dict[str, Any]) -> str:
+    st = report["stack"]
+    lines = [
+        "# te-gqa-fix post-pass benchmark",
+        "",
+        f"- date: {report['date']}",
+        f"- command: `{report['command']}`",
+        f"- GPU: {st.get('gpu')} (driver {st.get('driver')}, {st.get('sm_count')} SMs)",
+        f"- torch {st.get('torch')} (CUDA {st.get('torch_cuda')}, torch cuDNN {st.get('torch_cudnn')}), "
+        f"Transformer Engine {st.get('te')} (cuDNN loaded by TE: {st.get('te_cudnn')}), "
+        f"triton {st.get('triton')}, te-gqa-fix {st.get('te_gqa_fix')}",
+        f"- bandwidth (1 GiB): copy {report['bandwidth'].get('copy_traffic_GBps', 0):.0f} GB/s "
+        f"(read+write traffic), fill {report['bandwidth'].get('fill_GBps', 0):.0f} GB/s",
+        "",
+        "## Post-pass cost (device time, medians)",
+        "",
+        "| workload | tokens | heads q/kv, d | fused_attn_bwd | wrapper | post-pass (Triton) | % of bwd "
+        "(target) | PyTorch masked_fill post-pass | % of bwd | zeros to write | bound | "
+        "post-pass / bound | <= max(3x bound, 10 us) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for res in report["workloads"]:
+        wl, s = res["workload"], res.get("summary", {})
+        bwd = _t(res, "bwd")
+        ppt = _t(res, "postpass_torch")
+        pct = s.get("postpass_pct_of_bwd")
+        pct_s = "-" if pct is None else f"{pct:.2f}%"
+        if s.get("pct_target") is not None:
+            pct_s += f" (<= {s['pct_target']:g}%: {'yes' if s.get('pct_target_met') else 'NO'})"
+        torch_pct = "-" if (ppt is None or not bwd) else f"{100 * ppt / bwd:.1f}%"
+        met = s.get("bound_target_met")
+        lines.append(
+            f"| {wl['name']} | {wl['rows']} | {wl['h_q']}/{wl['h_kv']}, {wl['d']} | "
+            f"{_fmt(bwd, 'ms')} | {_fmt(_t(res, 'wrapper'), 'ms')} | "
+            f"{_fmt(_t(res, 'postpass_triton'), 'us')} | {pct_s} | {_fmt(ppt, 'us')} | {torch_pct} | "
+            f"{res.get('bytes_to_write', 0) / 1e6:.2f} MB | {_fmt(s.get('bound_us'), 'us', 2)} | "
+            f"{_fmt(s.get('x_bound'), '', 1)}x | {'-' if met is None else ('yes' if met else 'NO')} |"
+        )
+    lines += [
+        "",
+        "## Workarounds, as a multiple of the wrapper (bwd + Triton post-pass)",
+        "",
+        "Device mode for GPU-only variants, wall mode (GPU idle before each call, host "
+        "stalls included) for those that block the host; each is divided by the wrapper "
+        "measured in the same mode.",
+        "",
+        "| workload | wrapper (device) | bwd + masked_fill post-pass | expand K/V to MHA "
+        "(expand + MHA bwd + group sum) | wrapper (wall) | empty_cache + bwd | bwd + "
+        "tolist() loop | wrapper fastest |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for res in report["workloads"]:
+        wl, s = res["workload"], res.get("summary", {})
+        f = s.get("workaround_over_wrapper", {})
+
+        def cell(name: str, res: Dict[str, Any] = res, f: Dict[str, float] = f) -> str:
+            t = _t(res, name)
+            return "-" if t is None else f"{_fmt(t, 'ms')} ({f.get(name, 0):.2f}x)"
+
+        lines.append(
+            f"| {wl['name']} | {_fmt(_t(res, 'wrapper'), 'ms')} | {cell('bwd+torch_postpass')} | "
+            f"{cell('mha_total')} | {_fmt(_t(res, 'wrapper_wall'), 'ms')} | "
+            f"{cell('empty_cache+bwd_wall')} | {cell('bwd+python_loop_wall')} | "
+            f"{'yes' if s.get('wrapper_fastest') else 'NO'} |"
+        )
+    lines += [
+        "",
+        "## Host overhead and checks",
+        "",
+        "| workload | bwd host us/call | wrapper host us/call | post-pass host us/call | "
+        "Triton = torch = loop | stale max before -> after (poisoned workspace) | no sync "
+        "(post-pass triton / torch / TE bwd / wrapper / tolist loop) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for res in report["workloads"]:
+        wl, ch, tm = res["workload"], res.get("checks", {}), res.get("timings", {})
+
+        def host(name: str, tm: Dict[str, Any] = tm) -> str:
+            return (
+                "-" if name not in tm or "host_us" not in tm[name] else f"{tm[name]['host_us']:.0f}"
+            )
+
+        eq = ch.get("equal", {})
+        eq_s = "-" if not eq else (
+            "yes" if eq.get("kernel_ran") and eq.get("triton_eq_torch") and eq.get("loop_eq_torch")
+            else f"NO {eq}"
+        )  # fmt: skip
+        po = ch.get("poisoned_workspace", {})
+        po_s = "-" if not po else (
+            f"{po.get('unfixed_max_abs_on_dead_kv_rows', float('nan')):.3g} -> "
+            f"{po.get('wrapper_max_abs_on_dead_kv_rows', float('nan')):.3g}"
+        )  # fmt: skip
+        syncs = [
+            ch.get(k, "-")
+            for k in ("sync_postpass_triton", "sync_postpass_torch", "sync_te_bwd", "sync_wrapper",
+                      "sync_python_loop (detector must fire)")
+        ]  # fmt: skip
+        sync_s = " / ".join(
+            "ok" if x == "ok" else ("sync" if str(x).startswith("SYNC") else str(x)) for x in syncs
+        )
+        lines.append(
+            f"| {wl['name']} | {host('bwd')} | {host('wrapper')} | {host('postpass_triton')} | "
+            f"{eq_s} | {po_s} | {sync_s} |"
+        )
+    errors = [
+        (r["workload"]["name"], k, v)
+        for r in report["workloads"]
+        for k, v in r.get("errors", {}).items()
+    ]
+    errors += [("-", k, v) for k, v in report.get("errors", {}).items()]
+    if errors:
+        lines += ["", "## Errors", ""] + [f"- {w} / {k}: {v}" for w, k, v in errors]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- stack
+
+
+def stack_info() -> Dict[str, Any]:
+    info: Dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "te_gqa_fix": te_gqa_fix.__version__,
+        "env": {k: os.environ.get(k) for k in (*ENV_KEYS, "CUDNN_HOME")},
+    }
+    try:
+        info["torch_cudnn"] = torch.backends.cudnn.version()
+    except Exception as exc:  # raises when TE loaded another cuDNN than torch's
+        info["torch_cudnn"] = f"n/a ({str(exc).split(':')[0][:60]})"
+    try:
+        info["gpu"] = torch.cuda.get_device_name()
+        info["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
+        info["sm_count"] = torch.cuda.get_device_properties(0).multi_processor_count
+    except Exception as exc:
+        info["gpu"] = f"unknown ({exc})"
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20,
+        )  # fmt: skip
+        info["driver"] = out.stdout.strip().splitlines()[0] if out.stdout.strip() else "unknown"
+    except Exception:
+        info["driver"] = "unknown"
+    info["te"] = str(te_gqa_fix.get_te_version())
+    try:
+        from transformer_engine.pytorch.utils import get_cudnn_version
+
+        info["te_cudnn"] = ".".join(map(str, get_cudnn_version()))
+    except Exception:
+        try:
+            import transformer_engine_torch as tex
+
+            info["te_cudnn"] = str(tex.get_cudnn_version())
+        except Exception as exc:
+            info["te_cudnn"] = f"unknown ({exc})"
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except Exception:
+        info["triton"] = None
+    return info
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help=f"workloads {QUICK}, fewer repetitions")
+    p.add_argument("--workloads", default=None, help=f"comma-separated subset of {FULL}")
+    p.add_argument("--mask", default="padding_causal_bottom_right")
+    p.add_argument("--reps", type=int, default=None, help="timed calls per attention measurement")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--postpass-reps", type=int, default=None)
+    p.add_argument("--postpass-warmup", type=int, default=10)
+    p.add_argument("--skip-mha", action="store_true", help="skip the expand-to-MHA workaround")
+    p.add_argument("--out", default=os.environ.get("OUT") or "bench-out")
+    p.add_argument("--selftest", action="store_true", help="CPU-only checks of this script")
+    a = p.parse_args(argv)
+    if a.reps is None:
+        a.reps = 10 if a.quick else 20
+    if a.postpass_reps is None:
+        a.postpass_reps = 50 if a.quick else 100
+    return a
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.selftest:
+        return selftest(args)
+    names = args.workloads.split(",") if args.workloads else (QUICK if args.quick else FULL)
+    workloads = all_workloads(args.mask)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    report: Dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(
+            [f"{k}={shlex.quote(os.environ[k])}" for k in ENV_KEYS if os.environ.get(k)]
+            + [shlex.quote(x) for x in [Path(sys.executable).name, *sys.argv]]
+        ),
+        "args": vars(args),
+        "workloads": [],
+        "errors": {},
+        "bandwidth": {},
+    }
+    if not torch.cuda.is_available():
+        print("bench_postpass: needs a CUDA device", file=sys.stderr)
+        return 2
+    # TE first: it loads its cuDNN (system or wheel, see .gpu-kit/env.sh) before anything
+    # in torch initialises cuDNN; the other order mixes two cuDNN builds in one process.
+    te: Optional[TE] = None
+    try:
+        te = TE()
+    except Exception as exc:
+        report["errors"]["te"] = f"{type(exc).__name__}: {exc}"
+        traceback.print_exc()
+    report["stack"] = stack_info()
+    try:
+        report["bandwidth"] = bandwidth(20)
+    except Exception as exc:
+        report["errors"]["bandwidth"] = f"{type(exc).__name__}: {exc}"
+    torch.cuda.empty_cache()
+    for name in names:
+        if te is None:
+            break
+        print(f"--- {name}", flush=True)
+        t0 = time.time()
+        try:
+            res = run_workload(workloads[name], te, args)
+        except Exception as exc:
+            traceback.print_exc()
+            wl = workloads.get(name)
+            res = {
+                "workload": asdict(wl) if wl else {"name": name},
+                "timings": {},
+                "checks": {},
+                "errors": {"workload": f"{type(exc).__name__}: {exc}"[:400]},
+            }
+        res["seconds"] = round(time.time() - t0, 1)
+        res["summary"] = summarize(res, report["bandwidth"])
+        report["workloads"].append(res)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        # Write as we go: a later failure or timeout keeps what was measured.
+        (out_dir / "bench.json").write_text(json.dumps(report, indent=1, default=str))
+    report["seconds"] = round(time.time() - t_start, 1)
+    (out_dir / "bench.json").write_text(json.dumps(report, indent=1, default=str))
+    md = markdown(report)
+    (out_dir / "bench.md").write_text(md)
+    print(md)
+    return 0
+
+
+# --------------------------------------------------------------------------- selftest
+
+
+def selftest(args: argparse.Namespace) -> int:
+    """CPU checks of the pieces that do not need a GPU: workloads, counts, loop, tables."""
+    from te_gqa_fix.postpass import dead_row_masks
+
+    for wl in all_workloads(args.mask).values():
+        span = key_span(wl.mask)
+        i32 = dict(dtype=torch.int32)
+        cu_q, cu_kv = torch.tensor(wl.cu(wl.lq), **i32), torch.tensor(wl.cu(wl.lk), **i32)
+        pad = torch.tensor(wl.pad, **i32)
+        dead = dead_row_masks(cu_q, cu_kv, pad, pad, rows_q=wl.rows, rows_kv=wl.rows,
+                              attn_mask_type=wl.mask)  # fmt: skip
+        assert (int(dead.kv.sum()), int(dead.q.sum())) == dead_rows(wl, span), wl.name
+        if wl.rows <= 8192:
+            g = [torch.randn(wl.rows, h, 4) for h in (wl.h_q, wl.h_kv, wl.h_kv)]
+            a, b = [t.clone() for t in g], [t.clone() for t in g]
+            make_python_loop(cu_q, cu_kv, pad, pad, span)(*a)
+            zero_dead_rows(*b, cu_q, cu_kv, pad, pad, attn_mask_type=wl.mask, impl="torch")
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), wl.name
+        print(
+            f"{wl.name}: rows {wl.rows}, dead kv {int(dead.kv.sum())}, dead q {int(dead.q.sum())}"
+        )
+    fake = {"median_us": 1000.0, "host_us": 50.0}
+    res = {
+        "workload": asdict(all_workloads(args.mask)["llama8b-8k"]),
+        "bytes_to_write": 1e7,
+        "timings": {k: dict(fake) for k in ("bwd", "wrapper", "postpass_triton", "postpass_torch",
+                                             "bwd+torch_postpass", "mha_total", "wrapper_wall",
+                                             "empty_cache+bwd_wall", "bwd+python_loop_wall")},
+        "checks": {"equal": {"kernel_ran": True, "triton_eq_torch": True, "loop_eq_torch": True}},
+        "errors": {},
+    }  # fmt: skip
+    bw = {"copy_traffic_GBps": 4000.0, "fill_GBps": 3000.0}
+    res["summary"] = summarize(res, bw)
+    report = {"date": "-", "command": "-", "stack": {}, "bandwidth": bw, "workloads": [res]}
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""Tune the Triton post-pass: its launch parameters on synthetic gradients (no TE needed).
+
+Run on a CUDA machine: ``python benchmarks/sweep_kernel.py [--quick]``. For each
+workload of ``bench_postpass.py`` (same batches, random gradients) it times the kernel
+under each (rows per program, columns per tile, programs per SM, warps) and prints the
+median device time next to the PyTorch post-pass and the physical bound. Writes
+``sweep.json`` into ``--out`` (default ``$OUT``, else ``./bench-out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_postpass as bp
+
+from te_gqa_fix import triton_postpass as tp
+from te_gqa_fix.masks import key_span
+from te_gqa_fix.postpass import zero_dead_rows
+
+
+def sweep_one(wl: bp.Workload, grid: List[tuple], bw: Dict[str, float]) -> List[Dict[str, Any]]:
+    """Time the kernel under every configuration of ``grid`` on one workload."""
+    saved = (tp.BLOCK_T, tp.BLOCK_C, tp._PROGRAMS_PER_SM, tp._NUM_WARPS)
+    span = key_span(wl.mask)
+    dead_kv, dead_q = bp.dead_rows(wl, span)
+    nbytes = dead_kv * wl.h_kv * wl.d * 2 * 2 + dead_q * wl.h_q * wl.d * 2
+    bound = nbytes / (bw["copy_traffic_GBps"] * 1e3)
+    i32 = dict(dtype=torch.int32, device="cuda")
+    offs = (
+        torch.tensor(wl.cu(wl.lq), **i32),
+        torch.tensor(wl.cu(wl.lk), **i32),
+        torch.tensor(wl.pad, **i32),
+        torch.tensor(wl.pad, **i32),
+    )
+    dq = torch.randn(wl.rows, wl.h_q, wl.d, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(wl.rows, 2, wl.h_kv, wl.d, device="cuda", dtype=torch.bfloat16)
+    dk, dv = kv[:, 0], kv[:, 1]
+
+    def torch_pass() -> None:
+        zero_dead_rows(dq, dk, dv, *offs, attn_mask_type=wl.mask, impl="torch")
+
+    def kernel() -> None:
+        tp.zero_dead_rows_triton(dq, dk, dv, *offs, span=span)
+
+    t_torch = bp.time_device(torch_pass, 50, 5)["median_us"]
+    rows: List[Dict[str, Any]] = []
+    best = None
+    try:
+        for bt, bc, pps, nw in grid:
+            tp.BLOCK_T, tp.BLOCK_C, tp._PROGRAMS_PER_SM, tp._NUM_WARPS = bt, bc, pps, nw
+            try:
+                t = bp.time_device(kernel, 100, 5)["median_us"]
+            except Exception as exc:
+                t = None
+                print(f"{wl.name} {bt} {bc} {pps} {nw}: {exc!r}")
+            row = dict(workload=wl.name, block_t=bt, block_c=bc, programs_per_sm=pps, warps=nw)
+            row.update(us=t, torch_us=t_torch, bound_us=bound, mb=nbytes / 1e6)
+            rows.append(row)
+            if t is not None and (best is None or t < best["us"]):
+                best = row
+    finally:
+        tp.BLOCK_T, tp.BLOCK_C, tp._PROGRAMS_PER_SM, tp._NUM_WARPS = saved
+    key = ("block_t", "block_c", "programs_per_sm", "warps")
+    default = [r["us"] for r in rows if tuple(r[k] for k in key) == saved]
+    print(
+        f"{wl.name}: bound {bound:.1f} us ({nbytes / 1e6:.1f} MB), torch {t_torch:.1f} us, "
+        f"default {default[0] if default else '-'} us, best {best}",
+        flush=True,
+    )
+    return rows
+
+
+def host_overhead(wl: bp.Workload, n: int = 2000) -> Dict[str, float]:
+    """Host microseconds per call (queued, no sync) along the post-pass call chain."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _empty(x_ptr, n_el, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, tl.zeros([BLOCK], dtype=tl.float32), mask=offs < n_el)
+
+    span = key_span(wl.mask)
+    i32 = dict(dtype=torch.int32, device="cuda")
+    cu_q, cu_kv = torch.tensor(wl.cu(wl.lq), **i32), torch.tensor(wl.cu(wl.lk), **i32)
+    pad = torch.tensor(wl.pad, **i32)
+    offs = (cu_q, cu_kv, pad, pad)
+    dq = torch.randn(wl.rows, wl.h_q, wl.d, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(wl.rows, 2, wl.h_kv, wl.d, device="cuda", dtype=torch.bfloat16)
+    dk, dv = kv[:, 0], kv[:, 1]
+    x = torch.empty(64, device="cuda")
+    kernel = tp._build()
+    grid, scalars, meta = tp._plan(dq, dk, dv, True, len(wl.lq), span)
+    args = (dq, dk, dv, cu_q, cu_kv, pad, pad, *scalars)
+    chain = {
+        "triton_empty_kernel_2_args": lambda: _empty[(1,)](x, 64, BLOCK=64),
+        "raw_launch_of_this_kernel": lambda: kernel[grid](*args, **meta),
+        "_launch": lambda: tp._launch(dq, dk, dv, *offs, span),
+        "zero_dead_rows_triton": lambda: tp.zero_dead_rows_triton(dq, dk, dv, *offs, span=span),
+        "zero_dead_rows(impl=triton)": lambda: zero_dead_rows(
+            dq, dk, dv, *offs, attn_mask_type=wl.mask, impl="triton"
+        ),
+        "zero_dead_rows(impl=torch)": lambda: zero_dead_rows(
+            dq, dk, dv, *offs, attn_mask_type=wl.mask, impl="torch"
+        ),
+    }
+    out = {}
+    for name, fn in chain.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        out[name] = (time.perf_counter() - t0) / n * 1e6
+        torch.cuda.synchronize()
+        print(f"host {name:32s} {out[name]:7.1f} us/call", flush=True)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default=os.environ.get("OUT") or "bench-out")
+    p.add_argument("--mask", default="padding_causal_bottom_right")
+    p.add_argument("--host", action="store_true", help="only the host-overhead breakdown")
+    args = p.parse_args()
+    if not (torch.cuda.is_available() and tp.available()):
+        print("sweep_kernel: needs CUDA and Triton", file=sys.stderr)
+        return 2
+    if args.host:
+        host = host_overhead(bp.all_workloads(args.mask)["llama8b-8k"])
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "host.json").write_text(json.dumps(host, indent=1))
+        return 0
+    names = ["llama8b-8k", "llama8b-32k", "llama8b-128k", "mqa-8k"]
+    grid = list(itertools.product((16, 32, 64), (64, 128, 256), (2, 4, 8), (4, 8)))
+    if args.quick:
+        grid = list(itertools.product((16, 32, 64), (128, 256), (4,), (4, 8)))
+    bw = bp.bandwidth(10)
+    grid.append((tp.BLOCK_T, tp.BLOCK_C, tp._PROGRAMS_PER_SM, tp._NUM_WARPS))
+    grid = sorted(set(grid))
+    rows: List[Dict[str, Any]] = []
+    for name in names:
+        rows += sweep_one(bp.all_workloads(args.mask)[name], grid, bw)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.json").write_text(json.dumps({"bandwidth": bw, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
