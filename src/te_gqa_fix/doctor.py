@@ -542,9 +542,13 @@ def collect(live: bool = True, head_dim: Optional[int] = None) -> Dict[str, Any]
         "platform": platform.platform(),
     }
     unchecked: List[str] = []
+    # TE first, as in a training process: TE loads its cuDNN (system first) before torch
+    # loads its own copy. Asking torch first maps torch's cuDNN and can make TE's import
+    # fail on a mix of builds (seen on the H200 test machine), a state training never hits.
+    te_section = _section(_te_info)
     report["torch"] = _section(_torch_info)
     report["gpu"] = _section(_gpu_info)
-    report["transformer_engine"] = _section(_te_info)
+    report["transformer_engine"] = te_section
     te = report["transformer_engine"]
     gpu = report["gpu"]
     if not gpu.get("available"):

@@ -67,6 +67,14 @@ def _mapped_cudnn() -> list:
     return sorted(os.path.realpath(p) for p in paths)
 
 
+def _torch_cudnn() -> str:
+    # With the system cuDNN loaded by TE first, torch's own query can raise.
+    try:
+        return str(torch.backends.cudnn.version())
+    except Exception as exc:
+        return f"n/a ({type(exc).__name__})"
+
+
 def stack_info() -> Dict[str, Any]:
     import transformer_engine
 
@@ -92,7 +100,7 @@ def stack_info() -> Dict[str, Any]:
         "cuda": torch.version.cuda,
         "te": getattr(transformer_engine, "__version__", "?"),
         "cudnn_te": ".".join(map(str, cudnn_loaded_by_te())),
-        "cudnn_torch": str(torch.backends.cudnn.version()),
+        "cudnn_torch": _torch_cudnn(),
         "cudnn_files": _mapped_cudnn(),
         "gpu_kit_cudnn": os.environ.get("GPU_KIT_CUDNN", ""),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

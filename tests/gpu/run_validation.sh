@@ -14,10 +14,10 @@ for build in $builds; do
     export GPU_KIT_CUDNN=$build
     # shellcheck disable=SC1091
     source .gpu-kit/env.sh
-    python3 -m te_gqa_fix doctor --json >"$res/doctor-$build.json" 2>"$res/doctor-$build.log"
+    timeout 120 python3 -m te_gqa_fix doctor --json >"$res/doctor-$build.json" 2>"$res/doctor-$build.log"
     echo "doctor ($build): exit $?"
     rm -f "$res/records-$build.jsonl"
-    TE_GQA_FIX_RECORD="$res/records-$build.jsonl" python3 -m pytest tests/gpu -m gpu -q \
+    TE_GQA_FIX_RECORD="$res/records-$build.jsonl" timeout "${PYTEST_TIMEOUT:-270}" python3 -m pytest tests/gpu -m gpu -q \
       -p no:cacheprovider --junitxml="$res/junit-$build.xml" ${PYTEST_ARGS:-} \
       >"$res/pytest-$build.log" 2>&1
     echo "pytest ($build): exit $?"

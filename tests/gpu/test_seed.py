@@ -55,9 +55,10 @@ def test_seed_unpatched_shows_bug_where_affected(te, cudnn, affected, record):
         **res,
     )
     if affected:
+        # The seed's workspace is small (< 1 MiB), so it comes from the allocator's small
+        # pool rather than the poisoned 1 GiB block: what it holds is stale, not the
+        # sentinel (8.95 on the H200). The sweep's larger shapes read sentinel x group.
         assert corrupted(res), "expected stale workspace in rows 0-3 on an affected stack"
-        # the poisoned rows read sentinel x group size (2 query heads per KV head)
-        assert rows.abs().max().item() == pytest.approx(SENTINEL * 2, rel=0.01)
     elif tuple(cudnn) >= (9, 18, 0):
         assert not corrupted(res), "cuDNN >= 9.18 should not show the bug"
 

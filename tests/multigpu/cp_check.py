@@ -355,7 +355,7 @@ class Runner:
             "gpus_visible": torch.cuda.device_count() if self.cuda else 0,
             "world_size": self.world,
             "cp_size": self.world,
-            "cudnn_torch": torch.backends.cudnn.version(),
+            "cudnn_torch": _torch_cudnn_version(),
             "te_gqa_fix": te_gqa_fix.__version__,
             "te_gqa_fix_policy": te_gqa_fix.get_policy(),
             "te": str(te_gqa_fix.get_te_version()),
@@ -1107,10 +1107,23 @@ def run(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     return shared
 
 
+def _torch_cudnn_version() -> Any:
+    # With TE's (system) cuDNN loaded first, torch's own query can raise.
+    try:
+        return torch.backends.cudnn.version()
+    except Exception as exc:
+        return f"n/a ({type(exc).__name__})"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     results = run(argv)
     return 0 if not check_results(results) else 1
 
 
 if __name__ == "__main__":
+    if "--cpu-dry-run" not in sys.argv:
+        # TE must load its cuDNN before anything in torch (NCCL init, cudnn queries) loads
+        # torch's copy: otherwise the process maps a mix of two cuDNN builds and fails.
+        with contextlib.suppress(ImportError):
+            import transformer_engine.pytorch  # noqa: F401
     sys.exit(main())
