@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Everything the GPU machine has to show, in one command (2 GPUs for the CP part):
+# the validation run (doctor + gpu tests, both cuDNN builds), the two-rank context-parallel
+# check (both builds) and the examples. Results: $OUT/validation.tgz, $OUT/extra.tgz.
+set -uo pipefail
+out=${OUT:-/tmp/te-gqa-fix-out}
+extra=/tmp/te-gqa-fix-extra
+mkdir -p "$out" "$extra"
+bash tests/gpu/run_validation.sh
+nproc_cp=${CP_NPROC:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
+for build in ${BUILDS:-system pip}; do
+  (
+    export GPU_KIT_CUDNN=$build
+    # shellcheck disable=SC1091
+    source .gpu-kit/env.sh
+    if [ "$nproc_cp" -ge 2 ]; then
+      timeout "${CP_TIMEOUT:-200}" torchrun --standalone --nproc-per-node "$nproc_cp" \
+        tests/multigpu/cp_check.py --out "$extra" >"$extra/cp-$build.log" 2>&1
+      echo "cp_check ($build, $nproc_cp ranks): exit $?"
+      grep -E "^RESULT" "$extra/cp-$build.log"
+    fi
+    for ex in seed_repro drop_in; do
+      timeout 120 python3 "examples/$ex.py" >"$extra/$ex-$build.log" 2>&1
+      echo "examples/$ex.py ($build): exit $?"
+    done
+    if [ "$nproc_cp" -ge 2 ]; then
+      timeout 120 torchrun --standalone --nproc-per-node "$nproc_cp" examples/context_parallel.py \
+        >"$extra/context_parallel-$build.log" 2>&1
+      echo "examples/context_parallel.py ($build): exit $?"
+    fi
+    timeout 120 python3 -m te_gqa_fix doctor >"$extra/doctor-$build.txt" 2>&1
+    echo "doctor ($build, text): exit $?"
+  )
+done
+tar czf "$out/extra.tgz" -C "$(dirname "$extra")" "$(basename "$extra")"
+echo "results in $out/validation.tgz and $out/extra.tgz"
