@@ -199,7 +199,10 @@ def enable(strict: bool = False) -> bool:
     else:
         sys.meta_path.insert(0, TEImportHook(strict=strict))
     if _te_fully_imported():
-        if not _state["fired"] or not _is_installed():
+        # TE (and so torch) is loaded: importing te_gqa_fix costs nothing new here.
+        from te_gqa_fix.patch import is_installed
+
+        if not _state["fired"] or not is_installed():
             _fire(strict)
             return bool(_state["fired"])
     elif TARGET in sys.modules:
@@ -209,12 +212,6 @@ def enable(strict: bool = False) -> bool:
             TARGET,
         )
     return False
-
-
-def _is_installed() -> bool:
-    mod = sys.modules.get("transformer_engine.pytorch.cpp_extensions.fused_attn")
-    fn = getattr(mod, "fused_attn_bwd", None) if mod is not None else None
-    return bool(getattr(fn, "__te_gqa_fix_wrapper__", False))
 
 
 def disable() -> bool:
