@@ -21,9 +21,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from te_gqa_fix import dead_row_masks, doctor
+from te_gqa_fix import affected, cudnn, doctor, stack
 from te_gqa_fix.cli import main
 from te_gqa_fix.plan import PlanInput, build_plan
+from te_gqa_fix.postpass import dead_row_masks
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
@@ -329,7 +330,7 @@ MAPS = """\
 
 
 def test_parse_cudnn_maps() -> None:
-    libs = doctor.parse_cudnn_maps(MAPS)
+    libs = cudnn.parse_cudnn_maps(MAPS)
     assert [(lib.name, lib.version) for lib in libs] == [
         ("libcudnn_adv", "9.14.0"),
         ("libcudnn_engines_precompiled", "9.14.0"),
@@ -341,7 +342,7 @@ def test_parse_cudnn_maps() -> None:
 
 
 def test_cudnn_warnings_flag_mixed_sets_and_duplicates() -> None:
-    libs = doctor.parse_cudnn_maps(MAPS)
+    libs = cudnn.parse_cudnn_maps(MAPS)
     warnings = doctor.cudnn_library_warnings(libs, (9, 14, 0), (9, 19, 0))
     text = "\n".join(warnings)
     assert "mix versions" in text and "9.14" in text and "9.19" in text
@@ -357,8 +358,8 @@ def test_resolve_versions_from_the_owning_wheel(tmp_path: Path) -> None:
     lib_dir.mkdir(parents=True)
     (lib_dir / "libcudnn_adv.so.9").write_bytes(b"")
     (site / "nvidia_cudnn_cu13-9.19.0.56.dist-info").mkdir()
-    libs = doctor.parse_cudnn_maps(f"7f-7f r-xp 00000000 08:01 1 {lib_dir / 'libcudnn_adv.so.9'}\n")
-    (resolved,) = doctor.resolve_versions(libs)
+    libs = cudnn.parse_cudnn_maps(f"7f-7f r-xp 00000000 08:01 1 {lib_dir / 'libcudnn_adv.so.9'}\n")
+    (resolved,) = cudnn.resolve_versions(libs)
     assert resolved.version == "9.19.0.56" and resolved.source == "nvidia-cudnn wheel"
 
 
@@ -366,7 +367,7 @@ def test_resolve_versions_from_the_owning_wheel(tmp_path: Path) -> None:
     "encoded, expected", [(91400, (9, 14, 0)), (91901, (9, 19, 1)), (8907, (8, 9, 7))]
 )
 def test_decode_cudnn_version(encoded: int, expected: Tuple[int, int, int]) -> None:
-    assert doctor.decode_cudnn_version(encoded) == expected
+    assert cudnn.decode_cudnn_version(encoded) == expected
 
 
 @pytest.mark.parametrize(
@@ -392,7 +393,7 @@ def test_verdict_table(
     head_dim: Optional[int],
     status: str,
 ) -> None:
-    v = doctor.verdict(capability, cudnn, head_dim)
+    v = affected.verdict(capability, cudnn, head_dim)
     assert v.status == status
     assert v.reasons
 
@@ -432,15 +433,16 @@ def _fake_probes(
 ) -> List[str]:
     calls: List[str] = []
     gpu = {"available": capability is not None, "count": 1, "name": "Fake H200"}
-    monkeypatch.setattr(doctor, "_gpu_info", lambda: {**gpu, "capability": capability})
+    monkeypatch.setattr(stack, "gpu_info", lambda: {**gpu, "capability": capability})
     te = {"version": "2.20.2", "imported": True, "cudnn": te_cudnn, "error": None}
-    monkeypatch.setattr(doctor, "_te_info", lambda: dict(te))
+    monkeypatch.setattr(stack, "te_info", lambda: dict(te))
     monkeypatch.setattr(
-        doctor, "_torch_info", lambda: {"version": "2.11.0", "cuda": "13.0", "cudnn": "9.19.0"}
+        stack, "torch_info", lambda: {"version": "2.11.0", "cuda": "13.0", "cudnn": "9.19.0"}
     )
-    monkeypatch.setattr(doctor, "mapped_cudnn_libraries", lambda: [])
+    monkeypatch.setattr(cudnn, "mapped_cudnn_libraries", lambda: [])
+    monkeypatch.setattr(cudnn, "find_builds", lambda: [])
 
-    def fake_live() -> Dict[str, Any]:
+    def fake_live(large_head_dim: bool = False) -> Dict[str, Any]:
         calls.append("live")
         return live or {"ran": True, "bug_observed": True, "fix_ok": True}
 

@@ -3,25 +3,47 @@
 On Hopper with cuDNN older than 9.18, TE's ``fused_attn_bwd`` (cuDNN backend, THD layout,
 h_q > h_kv) sums never-written workspace into the dK/dV rows of sequences that have no
 query tokens; context parallelism produces such sequences on every step. This package
-zeroes, in place and without a host sync, every row whose true gradient is 0.
+zeroes, in place and without a host sync, every row whose true gradient is 0, and where a
+fixed cuDNN is installed it makes TE run that one instead.
 
-Importing it has no side effects and does not import Transformer Engine.
+Importing it has no side effects and imports neither torch nor Transformer Engine: names
+are resolved on first use (PEP 562), so ``te_gqa_fix.use_fixed_cudnn()`` can run before
+torch is imported, as it must.
 
 * ``te_gqa_fix.fused_attn_bwd``: drop-in for TE's function.
 * ``te_gqa_fix.install()`` / ``uninstall()`` / ``patched()``: reroute TE's own call sites.
 * ``te_gqa_fix.zero_dead_rows``: the post-pass on plain tensors, for other kernels.
+* ``te_gqa_fix.use_fixed_cudnn()``: load a fixed cuDNN (>= 9.18) before torch and TE.
 """
 
 from __future__ import annotations
 
-from .masks import KNOWN_MASK_TYPES, key_interval, key_span
-from .patch import install, is_installed, patched, uninstall
-from .policy import get_policy
-from .postpass import DeadRows, dead_row_masks, zero_dead_rows
-from .te_compat import get_te_version, is_te_min_version
-from .wrapper import call_counts, fused_attn_bwd, make_wrapper, reset_call_counts
+import importlib
+from typing import TYPE_CHECKING, Any, Dict
 
 __version__ = "0.1.0"
+
+# public name -> submodule that defines it
+_LAZY: Dict[str, str] = {
+    "KNOWN_MASK_TYPES": "masks",
+    "key_interval": "masks",
+    "key_span": "masks",
+    "install": "patch",
+    "is_installed": "patch",
+    "patched": "patch",
+    "uninstall": "patch",
+    "get_policy": "policy",
+    "DeadRows": "postpass",
+    "dead_row_masks": "postpass",
+    "zero_dead_rows": "postpass",
+    "get_te_version": "te_compat",
+    "is_te_min_version": "te_compat",
+    "call_counts": "wrapper",
+    "fused_attn_bwd": "wrapper",
+    "make_wrapper": "wrapper",
+    "reset_call_counts": "wrapper",
+    "use_fixed_cudnn": "cudnn",
+}
 
 __all__ = [
     "KNOWN_MASK_TYPES",
@@ -41,5 +63,28 @@ __all__ = [
     "patched",
     "reset_call_counts",
     "uninstall",
+    "use_fixed_cudnn",
     "zero_dead_rows",
 ]
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from .cudnn import use_fixed_cudnn
+    from .masks import KNOWN_MASK_TYPES, key_interval, key_span
+    from .patch import install, is_installed, patched, uninstall
+    from .policy import get_policy
+    from .postpass import DeadRows, dead_row_masks, zero_dead_rows
+    from .te_compat import get_te_version, is_te_min_version
+    from .wrapper import call_counts, fused_attn_bwd, make_wrapper, reset_call_counts
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'te_gqa_fix' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # resolved once
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_LAZY))

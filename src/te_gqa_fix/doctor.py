@@ -23,15 +23,17 @@ Exit codes (also in ``EXIT_CODES``): 0 healthy, 1 affected and the fix not activ
 
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
 import platform
 import re
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from . import affected, cudnn, stack
+from .cudnn import CudnnLibrary
 
 __all__ = [
     "EXIT_AFFECTED",
@@ -40,16 +42,11 @@ __all__ = [
     "EXIT_HEALTHY",
     "EXIT_UNREPAIRABLE",
     "EXIT_USAGE",
-    "CudnnLibrary",
-    "Verdict",
     "collect",
     "cudnn_library_warnings",
     "decide",
-    "decode_cudnn_version",
     "format_report",
     "live_check",
-    "parse_cudnn_maps",
-    "verdict",
 ]
 
 EXIT_HEALTHY = 0
@@ -67,143 +64,18 @@ EXIT_CODES: Dict[int, str] = {
     "live check found wrong values even with the fix; use cuDNN 9.18 or newer",
 }
 
-CUDNN_FIXED = (9, 18, 0)  # upstream: the workspace initialisation is fixed on Hopper
-HOPPER_MAJOR = 9  # compute capability 9.x
-MAX_REPAIRABLE_HEAD_DIM = 128
 LIVE_TOLERANCE = 5e-2  # fp16, head dim 8, O(1) inputs: measured errors are ~4e-4
-
-Version = Tuple[int, ...]
-
-
-def decode_cudnn_version(encoded: int) -> Tuple[int, int, int]:
-    """``cudnnGetVersion()`` / ``torch.backends.cudnn.version()`` -> (major, minor, patch).
-
-    cuDNN 9 encodes ``major*10000 + minor*100 + patch``, cuDNN 8 ``major*1000 + ...``.
-    """
-    magnitude = 1000 if encoded < 90000 else 10000
-    major, rest = divmod(int(encoded), magnitude)
-    minor, patch = divmod(rest, 100)
-    return (major, minor, patch)
 
 
 def _vstr(v: Optional[Sequence[int]]) -> Optional[str]:
     return None if v is None else ".".join(str(x) for x in v)
 
 
-def _vtuple(s: Optional[str]) -> Optional[Version]:
+def _vtuple(s: Optional[str]) -> Optional[Tuple[int, ...]]:
     if not s:
         return None
     parts = re.findall(r"\d+", s)
     return tuple(int(p) for p in parts) if parts else None
-
-
-# ----------------------------------------------------------------------------- cuDNN files
-
-
-@dataclass(frozen=True)
-class CudnnLibrary:
-    """One cuDNN shared library mapped into the process.
-
-    ``version`` is as precise as could be learned (``"9.14.0"``, or ``"9"`` when only the
-    file name's major is known); ``source`` says where it came from.
-    """
-
-    path: str
-    name: str
-    version: Optional[str]
-    source: str
-
-
-_LIB_RE = re.compile(r"^(libcudnn(?:_[A-Za-z0-9_]+)?)\.so(?:\.(\d+(?:\.\d+)*))?$")
-
-
-def parse_cudnn_maps(text: str) -> List[CudnnLibrary]:
-    """The cuDNN libraries in a ``/proc/<pid>/maps`` text, in first-seen order.
-
-    Each library appears once (maps lists one line per mapped segment). Versions come from
-    the file names (``libcudnn_adv.so.9.14.0`` -> 9.14.0; ``libcudnn.so.9`` -> 9).
-    """
-    seen: Dict[str, CudnnLibrary] = {}
-    for line in text.splitlines():
-        parts = line.split(None, 5)
-        if len(parts) < 6:
-            continue
-        path = parts[5].strip()
-        if path.endswith(" (deleted)"):
-            path = path[: -len(" (deleted)")]
-        if not path.startswith("/") or path in seen:
-            continue
-        m = _LIB_RE.match(os.path.basename(path))
-        if m is None:
-            continue
-        seen[path] = CudnnLibrary(
-            path=path, name=m.group(1), version=m.group(2), source="file name"
-        )
-    return list(seen.values())
-
-
-def _wheel_version(path: str) -> Optional[str]:
-    """Version of the ``nvidia-cudnn-cu*`` wheel that owns ``path`` (its dist-info name)."""
-    parts = path.split(os.sep)
-    if "nvidia" not in parts:
-        return None
-    idx = len(parts) - 1 - parts[::-1].index("nvidia")
-    site_dir = os.sep.join(parts[:idx])
-    for info in sorted(glob.glob(os.path.join(site_dir, "nvidia_cudnn_cu*-*.dist-info"))):
-        m = re.search(r"-(\d+(?:\.\d+)+)\.dist-info$", info)
-        if m:
-            return m.group(1)
-    return None
-
-
-def _ctypes_version(path: str) -> Optional[str]:
-    """``cudnnGetVersion`` of an already loaded ``libcudnn.so*`` (never loads a new one)."""
-    try:
-        import ctypes
-
-        mode = getattr(os, "RTLD_NOLOAD", 0) | getattr(os, "RTLD_LAZY", 1)
-        lib = ctypes.CDLL(path, mode=mode)
-        fn = lib.cudnnGetVersion
-        fn.restype = ctypes.c_size_t
-        return _vstr(decode_cudnn_version(int(fn())))
-    except Exception:
-        return None
-
-
-def resolve_versions(libs: Sequence[CudnnLibrary]) -> List[CudnnLibrary]:
-    """Make versions precise where the file name gives only the major (pip wheels name
-    their files ``libcudnn*.so.9``): ask the loaded library, then the owning wheel."""
-    out = []
-    for lib in libs:
-        v = _vtuple(lib.version)
-        if v is not None and len(v) >= 2:
-            out.append(lib)
-            continue
-        real = os.path.realpath(lib.path)
-        m = _LIB_RE.match(os.path.basename(real))
-        if m and m.group(2) and len(_vtuple(m.group(2)) or ()) >= 2:
-            out.append(CudnnLibrary(lib.path, lib.name, m.group(2), "real path"))
-            continue
-        found = _ctypes_version(lib.path) if lib.name == "libcudnn" else None
-        if found:
-            out.append(CudnnLibrary(lib.path, lib.name, found, "cudnnGetVersion"))
-            continue
-        wheel = _wheel_version(lib.path)
-        if wheel:
-            out.append(CudnnLibrary(lib.path, lib.name, wheel, "nvidia-cudnn wheel"))
-            continue
-        out.append(lib)
-    return out
-
-
-def mapped_cudnn_libraries(maps_path: str = "/proc/self/maps") -> Optional[List[CudnnLibrary]]:
-    """The cuDNN libraries mapped into this process, or None where maps is unreadable."""
-    try:
-        with open(maps_path) as f:
-            text = f.read()
-    except OSError:
-        return None
-    return resolve_versions(parse_cudnn_maps(text))
 
 
 def cudnn_library_warnings(
@@ -246,72 +118,6 @@ def cudnn_library_warnings(
 
 
 # ----------------------------------------------------------------------------- verdict
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """``status``: ``affected``, ``not_affected``, ``unrepairable`` or ``unknown``."""
-
-    status: str
-    reasons: Tuple[str, ...]
-
-
-def verdict(
-    capability: Optional[Sequence[int]],
-    cudnn_version: Optional[Sequence[int]],
-    head_dim: Optional[int] = None,
-) -> Verdict:
-    """What the known facts say for THD + GQA training on this GPU and cuDNN.
-
-    ``cudnn_version`` is the cuDNN Transformer Engine runs (not torch's). ``head_dim``
-    (optional) is the model's attention head dim; above 128 an affected cuDNN is wrong on
-    live rows too, which no post-pass can repair.
-    """
-    if capability is None or cudnn_version is None:
-        missing = []
-        if capability is None:
-            missing.append("the GPU's compute capability")
-        if cudnn_version is None:
-            missing.append("the cuDNN version Transformer Engine runs")
-        return Verdict("unknown", (f"cannot tell without {' and '.join(missing)}",))
-    cap = tuple(int(x) for x in capability)
-    cud = tuple(int(x) for x in cudnn_version)
-    sm = f"sm{cap[0]}{cap[1] if len(cap) > 1 else 0}"
-    cud_s = _vstr(cud)
-    if cap[0] != HOPPER_MAJOR:
-        return Verdict(
-            "not_affected",
-            (
-                f"{sm} is not Hopper: the stale-workspace bug is known on Hopper (sm90) only; "
-                "te-gqa-fix does no harm elsewhere",
-            ),
-        )
-    if cud >= CUDNN_FIXED:
-        return Verdict(
-            "not_affected",
-            (f"cuDNN {cud_s} >= 9.18 initialises the GQA workspace (9.19 measured clean)",),
-        )
-    base = (
-        f"Hopper ({sm}) with cuDNN {cud_s} < 9.18: TE's fused_attn_bwd (THD layout, GQA/MQA) "
-        "sums stale workspace into dK/dV rows of sequences without query tokens"
-    )
-    if head_dim is not None and head_dim > MAX_REPAIRABLE_HEAD_DIM:
-        return Verdict(
-            "unrepairable",
-            (
-                base,
-                f"head dim {head_dim} > {MAX_REPAIRABLE_HEAD_DIM} on this cuDNN is wrong on "
-                "rows that receive attention too (dQ up to 8.6e4 measured): no post-pass can "
-                "repair it; use cuDNN 9.18 or newer",
-            ),
-        )
-    reasons = [base, "te-gqa-fix repairs it exactly (head dim <= 128)"]
-    if head_dim is None:
-        reasons.append(
-            f"if your model's head dim is above {MAX_REPAIRABLE_HEAD_DIM} (192, 256), this "
-            "cuDNN is broken beyond repair: use 9.18 or newer (pass --head-dim to check)"
-        )
-    return Verdict("affected", tuple(reasons))
 
 
 def decide(
@@ -359,8 +165,37 @@ def _num(x: float) -> Any:
     return x if math.isfinite(x) else str(x)
 
 
+def large_head_dim_check(device: str = "cuda", sentinel: float = 1000.0) -> Dict[str, Any]:
+    """TE's own backward (no post-pass) at head dim 256, GQA 8/2, bf16, after a poisoned
+    block, against the fp32 reference with the repository's tolerance rule: exact only when
+    TE runs a fixed cuDNN (on 9.14 it is wrong on live rows). Never raises."""
+    out: Dict[str, Any] = {
+        "case": "h 8/2, d 256, bf16, thd_thd_thd, padding_causal, a q-empty sequence, "
+        "padding between sequences, tail rows; TE unpatched",
+    }
+    try:
+        from . import reproduce as rp
+        from .te_compat import find_original
+
+        batch = rp.large_head_dim_batch(256, (8, 2))
+        rp.random_inputs(batch, device=device, seed=256)
+        rp.te_forward(batch, device=device)
+        rp.poison_allocator(sentinel, 1 << 26, device)
+        res = rp.compare(batch, rp.te_backward(batch, fn=find_original(), device=device),
+                         rp.references(batch, device))  # fmt: skip
+        out.update({k: _num(float(v)) for k, v in res.items()})
+        out["exact"] = rp.exact(res)
+    except Exception as exc:  # report, never crash the doctor
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        out["exact"] = False
+    return out
+
+
 def live_check(
-    device: str = "cuda", poison_numel: int = 1 << 28, sentinel: float = 1000.0
+    device: str = "cuda",
+    poison_numel: int = 1 << 28,
+    sentinel: float = 1000.0,
+    large_head_dim: bool = False,
 ) -> Dict[str, Any]:
     """The seed case on the real TE, unpatched and patched, each after a poisoned block.
 
@@ -368,7 +203,8 @@ def live_check(
     ``padding_causal``, cu_seqlens_q [0,0,3], kv [0,3,9], padded [0,4,12]: sequence 0 has
     no queries, so dK/dV rows 0-3 must be exactly 0. Right before each backward a block of
     ``sentinel`` is allocated and freed so the caching allocator hands it to TE's
-    workspace (deterministic trigger). Never raises: errors are reported.
+    workspace (deterministic trigger). With ``large_head_dim`` (the cuDNN route is active)
+    it adds :func:`large_head_dim_check`, which must be exact too. Never raises.
     """
     out: Dict[str, Any] = {
         "ran": False,
@@ -429,6 +265,9 @@ def live_check(
         )
         out["fix_ok"] = bool(pa["rows_0_3_zero"] and live_ok)
         out["tolerance"] = LIVE_TOLERANCE
+        if large_head_dim:
+            out["large_head_dim"] = large_head_dim_check(device, sentinel)
+            out["fix_ok"] = bool(out["fix_ok"] and out["large_head_dim"]["exact"])
         out["ran"] = True
     except Exception as exc:  # report, never crash the doctor
         out["error"] = f"{type(exc).__name__}: {exc}"
@@ -443,77 +282,6 @@ def _section(fn, *args: Any) -> Any:
         return fn(*args)
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
-
-
-def _torch_info() -> Dict[str, Any]:
-    import torch
-
-    info: Dict[str, Any] = {
-        "version": torch.__version__,
-        "cuda": getattr(torch.version, "cuda", None),
-        "cudnn": None,
-    }
-    try:
-        if torch.backends.cudnn.is_available():
-            v = torch.backends.cudnn.version()
-            info["cudnn"] = _vstr(decode_cudnn_version(v)) if v else None
-    except Exception as exc:
-        info["cudnn_error"] = f"{type(exc).__name__}: {exc}"
-    return info
-
-
-def _gpu_info() -> Dict[str, Any]:
-    import torch
-
-    info: Dict[str, Any] = {"available": False, "count": 0, "name": None, "capability": None}
-    if not torch.cuda.is_available():
-        return info
-    info["available"] = True
-    info["count"] = torch.cuda.device_count()
-    dev = torch.cuda.current_device()
-    info["name"] = torch.cuda.get_device_name(dev)
-    info["capability"] = list(torch.cuda.get_device_capability(dev))
-    return info
-
-
-def _te_info() -> Dict[str, Any]:
-    import importlib
-    import importlib.util
-
-    from .te_compat import get_te_version
-
-    version = get_te_version()
-    info: Dict[str, Any] = {
-        "version": None if version is None else str(version),
-        "imported": False,
-        "cudnn": None,
-        "error": None,
-    }
-    try:
-        present = importlib.util.find_spec("transformer_engine") is not None
-    except Exception:
-        present = False
-    if not present and version is None:
-        info["error"] = "not installed"
-        return info
-    try:
-        importlib.import_module("transformer_engine.pytorch")
-        info["imported"] = True
-    except Exception as exc:
-        info["error"] = f"import transformer_engine.pytorch failed: {type(exc).__name__}: {exc}"
-        return info
-    try:
-        from transformer_engine.pytorch.utils import get_cudnn_version
-
-        info["cudnn"] = _vstr(tuple(get_cudnn_version()))
-    except Exception:
-        try:
-            import transformer_engine_torch as tex
-
-            info["cudnn"] = _vstr(decode_cudnn_version(int(tex.get_cudnn_version())))
-        except Exception as exc:
-            info["cudnn_error"] = f"{type(exc).__name__}: {exc}"
-    return info
 
 
 def _fix_info() -> Dict[str, Any]:
@@ -532,6 +300,49 @@ def _fix_info() -> Dict[str, Any]:
     }
 
 
+def _builds_section(libs: Sequence[CudnnLibrary], te_cudnn, torch_cudnn) -> List[Dict[str, Any]]:
+    """Every cuDNN build on disk, marked with whether TE's / torch's cuDNN is that one.
+
+    A build is "mapped" when this process has its libcudnn.so loaded; "te_runs" when it is
+    mapped and its version is the one TE reports (likewise torch).
+    """
+    mapped_dirs = {
+        os.path.realpath(os.path.dirname(lib.path)) for lib in libs if lib.name == "libcudnn"
+    }
+    out = []
+    for b in cudnn.find_builds():
+        mapped = os.path.realpath(b.lib_dir) in mapped_dirs
+        version = b.version[:3] if b.version else None
+        out.append(
+            {
+                "lib_dir": b.lib_dir,
+                "version": b.version_str,
+                "origin": b.origin,
+                "how": b.how,
+                "distribution": b.distribution,
+                "fixed": b.fixed,
+                "mapped": mapped,
+                "te_runs": bool(mapped and te_cudnn and version == tuple(te_cudnn[:3])),
+                "torch_runs": bool(mapped and torch_cudnn and version == tuple(torch_cudnn[:3])),
+            }
+        )
+    return out
+
+
+def _switch(builds: Sequence[Dict[str, Any]], te_cudnn) -> Optional[str]:
+    """The one setting that makes TE run a fixed build installed here but unused, if any."""
+    if te_cudnn is None or affected.cudnn_is_fixed(te_cudnn):
+        return None
+    wheel_fixed = [b for b in builds if b["fixed"] and b["origin"] == "wheel"]
+    if wheel_fixed:
+        best = max(wheel_fixed, key=lambda b: _vtuple(b["version"]) or ())
+        return f"{cudnn.ENV_CUDNN}=auto  (loads cuDNN {best['version']} from {best['lib_dir']})"
+    other = [b for b in builds if b["fixed"]]
+    if other:
+        return f"{cudnn.ENV_CUDNN}={other[0]['lib_dir']}  (cuDNN {other[0]['version']})"
+    return None
+
+
 def collect(live: bool = True, head_dim: Optional[int] = None) -> Dict[str, Any]:
     """Gather everything; never raises. The result is JSON-serialisable."""
     from . import __version__
@@ -545,9 +356,9 @@ def collect(live: bool = True, head_dim: Optional[int] = None) -> Dict[str, Any]
     # TE first, as in a training process: TE loads its cuDNN (system first) before torch
     # loads its own copy. Asking torch first maps torch's cuDNN and can make TE's import
     # fail on a mix of builds (seen on the H200 test machine), a state training never hits.
-    te_section = _section(_te_info)
-    report["torch"] = _section(_torch_info)
-    report["gpu"] = _section(_gpu_info)
+    te_section = _section(stack.te_info)
+    report["torch"] = _section(stack.torch_info)
+    report["gpu"] = _section(stack.gpu_info)
     report["transformer_engine"] = te_section
     te = report["transformer_engine"]
     gpu = report["gpu"]
@@ -558,7 +369,7 @@ def collect(live: bool = True, head_dim: Optional[int] = None) -> Dict[str, Any]
     elif te.get("cudnn") is None:
         unchecked.append("the cuDNN version Transformer Engine runs (TE did not report it)")
 
-    libs = _section(mapped_cudnn_libraries)
+    libs = _section(cudnn.mapped_cudnn_libraries)
     if isinstance(libs, dict):
         report["cudnn_libraries"] = []
         unchecked.append(f"cuDNN files mapped into the process: {libs['error']}")
@@ -572,11 +383,24 @@ def collect(live: bool = True, head_dim: Optional[int] = None) -> Dict[str, Any]
     te_cudnn = _vtuple(te.get("cudnn"))
     torch_cudnn = _vtuple(report["torch"].get("cudnn"))
     report["warnings"] = cudnn_library_warnings(libs, te_cudnn, torch_cudnn)
+    builds = _section(_builds_section, libs, te_cudnn, torch_cudnn)
+    if isinstance(builds, dict):
+        unchecked.append(f"cuDNN builds on disk: {builds['error']}")
+        builds = []
+    report["cudnn_builds"] = builds
+    report["cudnn_route"] = {**cudnn.route_state(), "switch": _switch(builds, te_cudnn)}
 
     report["fix"] = _section(_fix_info)
     capability = gpu.get("capability")
-    v = verdict(capability, te_cudnn if te.get("imported") else None, head_dim)
+    te_runs = te_cudnn if te.get("imported") else None
+    v = affected.verdict(capability, te_runs, head_dim)
     report["verdict"] = {"status": v.status, "reasons": list(v.reasons), "head_dim": head_dim}
+    report["post_pass"] = (
+        "pass-through: the cuDNN TE runs is fixed, so the wrapper does nothing under "
+        "TE_GQA_FIX=auto (TE_GQA_FIX=always still forces the post-pass)"
+        if affected.cudnn_is_fixed(te_runs)
+        else "runs on THD backward calls with h_q != h_kv (cuDNN not known to be fixed)"
+    )
 
     if not live:
         report["live_check"] = {"ran": False, "skipped": "--no-live"}
@@ -584,12 +408,16 @@ def collect(live: bool = True, head_dim: Optional[int] = None) -> Dict[str, Any]
         report["live_check"] = {"ran": False, "skipped": "needs a CUDA GPU and Transformer Engine"}
         unchecked.append("live check (needs a CUDA GPU and Transformer Engine)")
     else:
-        report["live_check"] = live_check()
+        large = report["cudnn_route"].get("chosen") is not None
+        report["live_check"] = live_check(large_head_dim=large)
         if report["live_check"].get("error"):
             unchecked.append(f"live check failed: {report['live_check']['error']}")
     status, code, advice = decide(
         v.status, report["live_check"], bool(report["fix"].get("installed"))
     )
+    switch = report["cudnn_route"]["switch"]
+    if switch and code != EXIT_HEALTHY:
+        advice = f"set {switch}; or: {advice}"
     report["unchecked"] = unchecked
     report["status"] = status
     report["exit_code"] = code
@@ -647,6 +475,37 @@ def format_report(report: Dict[str, Any]) -> str:
     else:
         fix_line = "not active in this process"
     row("fix", fix_line)
+    row("post-pass", report.get("post_pass") or "unknown")
+    builds = report.get("cudnn_builds") or []
+    if builds:
+        for i, b in enumerate(builds):
+            who = [w for w, k in (("TE", "te_runs"), ("torch", "torch_runs")) if b.get(k)]
+            tags = ", ".join(
+                [b["origin"], "fixed" if b["fixed"] else "affected"]
+                + ([f"{' and '.join(who)} run{'s' if len(who) == 1 else ''} this"] if who else [])
+            )
+            row(
+                "cuDNN builds on disk" if i == 0 else "",
+                f"{b['version']:<9} {b['lib_dir']}  ({tags})",
+            )
+    else:
+        row("cuDNN builds on disk", "none found")
+    route = report.get("cudnn_route") or {}
+    if route.get("setting"):
+        state = (
+            f"loaded cuDNN {route.get('chosen_version')} from {route.get('chosen')}"
+            if route.get("chosen") and route.get("loaded")
+            else f"nothing loaded: {route.get('error')}"
+        )
+        if route.get("verified") is not None:
+            state += (
+                "; TE runs it" if route["verified"] else f"; but TE runs {route.get('te_cudnn')}"
+            )
+        row("TE_GQA_FIX_CUDNN", f"{route['setting']}: {state}")
+    else:
+        row("TE_GQA_FIX_CUDNN", "unset")
+    if route.get("switch"):
+        row("switch to fixed cuDNN", route["switch"])
     row("TE_GQA_FIX_AUTOPATCH", fix.get("autopatch_env") or "unset")
     row("start-up file", fix.get("start_up_file") or "not installed (is te-gqa-fix pip-installed?)")
     if fix.get("autopatch_error"):
@@ -679,6 +538,20 @@ def format_report(report: Dict[str, Any]) -> str:
             "  bug observed without the fix: "
             + ("YES" if live.get("bug_observed") else "no (not triggered this time)")
         )
+        large = live.get("large_head_dim")
+        if large is not None:
+            lines.append(f"  {large.get('case')}:")
+            if large.get("error"):
+                lines.append(f"    failed: {large['error']}")
+            else:
+                lines.append(
+                    "    max err dQ/dK/dV "
+                    + " / ".join(_fmt(large.get(f"{g}_err")) for g in ("dq", "dk", "dv"))
+                    + " (bounds "
+                    + " / ".join(_fmt(large.get(f"{g}_bound")) for g in ("dq", "dk", "dv"))
+                    + "): "
+                    + ("exact" if large.get("exact") else "WRONG")
+                )
         lines.append(
             "  with the fix: "
             + ("exact (rows 0-3 are 0, live rows match fp32)" if live.get("fix_ok") else "WRONG")

@@ -15,12 +15,17 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 __all__ = [
+    "GRADS",
     "ThdBatch",
     "call_by_name",
+    "compare",
+    "corrupted",
+    "exact",
     "make_batch",
     "poison_allocator",
     "random_inputs",
     "reference_attention",
+    "references",
     "seed_batch",
     "te_backward",
     "te_forward",
@@ -321,3 +326,103 @@ def reference_attention(
         dk[sk : sk + lk] = k.grad
         dv[sk : sk + lk] = v.grad
     return {"o": o, "dq": dq, "dk": dk, "dv": dv}
+
+
+# ----------------------------------------------------------------------------- tolerance
+# As flash-attention's tests do, the bound for TE's error against an fp32 reference is twice
+# the error of the same computation done by PyTorch in the input precision, plus a few ulps
+# of the reference's magnitude. Rows whose true gradient is 0 must be exactly 0.
+
+GRADS = ("dq", "dk", "dv")
+
+
+def dead_masks(batch: ThdBatch, device: str = "cuda"):
+    from .postpass import dead_row_masks
+
+    return dead_row_masks(
+        **batch.offsets(device),
+        rows_q=batch.rows_q,
+        rows_kv=batch.rows_kv,
+        attn_mask_type=batch.mask,
+        window_size=batch.window,
+        bottom_right_diagonal=batch.bottom_right_diagonal,
+    )
+
+
+def live_q_rows(batch: ThdBatch) -> torch.Tensor:
+    """Query rows that attend at least one key (their output is defined)."""
+    live = torch.zeros(batch.rows_q, dtype=torch.bool)
+    for b, (lq, lk) in enumerate(zip(batch.lq, batch.lk)):
+        if lq and lk:
+            has_key = attention_mask(lq, lk, batch).any(dim=1)
+            live[batch.pad_q[b] : batch.pad_q[b] + lq] = has_key
+    return live
+
+
+def references(batch: ThdBatch, device: str = "cuda") -> Dict[str, Dict[str, torch.Tensor]]:
+    """The fp32 reference and the same computation in the batch's own precision."""
+    return {
+        "fp32": reference_attention(batch, torch.float32, device),
+        "same": reference_attention(batch, batch.dtype, device),
+    }
+
+
+def compare(
+    batch: ThdBatch, out: Sequence[torch.Tensor], refs, factor: float = 2.0
+) -> Dict[str, float]:
+    """Errors of TE's (dq, dk, dv) on live rows, their bounds, and dead-row maxima."""
+    device = str(out[0].device)
+    dead = dead_masks(batch, device)
+    live_q = live_q_rows(batch).to(device) & ~dead.q
+    res: Dict[str, float] = {}
+    for name, got in zip(GRADS, out[:3]):
+        mask = live_q if name == "dq" else ~dead.kv
+        ref = refs["fp32"][name].to(device)[mask].float()
+        same = refs["same"][name].to(device)[mask].float()
+        mine = got[mask].float()
+        err = (mine - ref).abs().max().item() if ref.numel() else 0.0
+        err_pt = (same - ref).abs().max().item() if ref.numel() else 0.0
+        ref_max = ref.abs().max().item() if ref.numel() else 0.0
+        bound = factor * err_pt + 4 * torch.finfo(batch.dtype).eps * max(ref_max, 1e-3)
+        dead_rows = got[dead.q if name == "dq" else dead.kv]
+        res[f"{name}_err"] = err
+        res[f"{name}_bound"] = bound
+        res[f"{name}_dead_max"] = (
+            dead_rows.float().abs().nan_to_num(float("inf")).max().item()
+            if dead_rows.numel()
+            else 0.0
+        )
+        res[f"{name}_nonfinite_live"] = int((~torch.isfinite(mine)).sum().item())
+    return res
+
+
+def exact(res: Dict[str, float]) -> bool:
+    """Every live-row error within its bound, no non-finite live value, dead rows exactly 0."""
+    return all(
+        res[f"{g}_err"] <= res[f"{g}_bound"]
+        and res[f"{g}_dead_max"] == 0.0
+        and res[f"{g}_nonfinite_live"] == 0
+        for g in GRADS
+    )
+
+
+def corrupted(res: Dict[str, float]) -> bool:
+    """Damage on rows that must be 0 (the bug's signature)."""
+    return res["dk_dead_max"] > 0 or res["dv_dead_max"] > 0
+
+
+def large_head_dim_batch(head_dim: int = 256, heads: Tuple[int, int] = (8, 2)) -> ThdBatch:
+    """The head-dim case cuDNN < 9.18 gets wrong on live rows: GQA, bf16, a q-empty
+    sequence, padding between sequences and tail rows."""
+    return make_batch(
+        [40, 0, 64, 20],
+        [48, 30, 64, 20],
+        heads_q=heads[0],
+        heads_kv=heads[1],
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+        gap_q=[2, 0, 4, 1],
+        gap_kv=[0, 2, 0, 4],
+        tail=3,
+        mask="padding_causal",
+    )

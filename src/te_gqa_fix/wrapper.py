@@ -17,6 +17,7 @@ from types import ModuleType
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 from ._logging import log_once, logger
+from .guard import check_head_dims, cudnn_fixed
 from .policy import get_policy
 from .postpass import zero_dead_rows
 from .validation import check_metadata, shape_of
@@ -140,10 +141,26 @@ def _passthrough(key: object, msg: str, *args: object) -> None:
     )
 
 
+def _guard(device_index: Optional[int], q: object, v: object) -> None:
+    """Warn (or raise, strict) where the post-pass cannot make this backward exact."""
+    if device_index is None:
+        return
+    sq, sv = shape_of(q), shape_of(v)
+    if sq is not None and sv is not None and len(sq) >= 1 and len(sv) >= 1:
+        check_head_dims(device_index, int(sq[-1]), int(sv[-1]))
+
+
 def _plan(binder: _Args, args: Sequence, kwargs: Mapping[str, Any]) -> Optional[_Plan]:
     """Decide before the call (metadata only, no sync) whether and how to post-process."""
     policy = get_policy()
     if policy == "off":
+        _counts["skipped"] += 1
+        return None
+    q = binder.get(args, kwargs, "q")
+    device = getattr(q, "device", None)
+    device_index = device.index if device is not None and device.type == "cuda" else None
+    if policy == "auto" and device_index is not None and cudnn_fixed(device_index):
+        # cuDNN >= 9.18 initialises the workspace: nothing to repair, nothing to guard.
         _counts["skipped"] += 1
         return None
     layout_name = "qkv_layout"
@@ -160,9 +177,9 @@ def _plan(binder: _Args, args: Sequence, kwargs: Mapping[str, Any]) -> Optional[
     if not fix_kv:
         _counts["skipped"] += 1
         return None
-    q = binder.get(args, kwargs, "q")
     k = binder.get(args, kwargs, "k")
     v = binder.get(args, kwargs, "v")
+    _guard(device_index, q, v)
     h_q, h_kv = _heads(q), _heads(k)
     if policy == "auto" and h_q is not None and h_q == h_kv:
         _counts["skipped"] += 1

@@ -11,9 +11,15 @@ import pytest
 import torch
 
 import te_gqa_fix
-from te_gqa_fix.reproduce import make_batch, poison_allocator, random_inputs
-
-from .checks import compare, corrupted, exact, references
+from te_gqa_fix.reproduce import (
+    compare,
+    corrupted,
+    exact,
+    make_batch,
+    poison_allocator,
+    random_inputs,
+    references,
+)
 
 pytestmark = pytest.mark.gpu
 

@@ -11,9 +11,17 @@ import pytest
 import torch
 
 import te_gqa_fix
-from te_gqa_fix.reproduce import make_batch, random_inputs, te_backward, te_forward
-
-from .checks import GRADS, compare, dead_masks, exact, references
+from te_gqa_fix.reproduce import (
+    GRADS,
+    compare,
+    dead_masks,
+    exact,
+    make_batch,
+    random_inputs,
+    references,
+    te_backward,
+    te_forward,
+)
 
 pytestmark = pytest.mark.gpu
 

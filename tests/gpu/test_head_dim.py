@@ -10,14 +10,15 @@ import torch
 
 import te_gqa_fix
 from te_gqa_fix.reproduce import (
+    compare,
+    exact,
     make_batch,
     poison_allocator,
     random_inputs,
+    references,
     te_backward,
     te_forward,
 )
-
-from .checks import compare, exact, references
 
 pytestmark = pytest.mark.gpu
 

@@ -13,14 +13,16 @@ import torch
 
 import te_gqa_fix
 from te_gqa_fix.reproduce import (
+    compare,
+    corrupted,
+    exact,
     poison_allocator,
     random_inputs,
+    references,
     seed_batch,
     te_backward,
     te_forward,
 )
-
-from .checks import compare, corrupted, exact, references
 
 pytestmark = pytest.mark.gpu
 

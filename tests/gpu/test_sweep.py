@@ -15,14 +15,16 @@ import torch
 
 import te_gqa_fix
 from te_gqa_fix.reproduce import (
+    compare,
+    corrupted,
+    exact,
     make_batch,
     poison_allocator,
     random_inputs,
+    references,
     te_backward,
     te_forward,
 )
-
-from .checks import compare, corrupted, exact, references
 
 pytestmark = pytest.mark.gpu
 
