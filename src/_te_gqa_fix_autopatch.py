@@ -17,6 +17,12 @@ installed at once. A failure is logged on the ``te_gqa_fix`` logger and the prog
 on without the fix, unless ``TE_GQA_FIX_AUTOPATCH=strict``, which turns it into an
 ImportError of ``transformer_engine.pytorch``.
 
+``TE_GQA_FIX_CUDNN`` (``auto``, ``strict``, a folder, ``strict:FOLDER``; see
+:mod:`te_gqa_fix.cudnn`) is read here too: a :class:`CudnnPreloadHook` on ``sys.meta_path``
+loads the chosen fixed cuDNN right before the first import of ``torch`` or
+``transformer_engine`` (processes that never import them pay nothing), and once
+``transformer_engine.pytorch`` is imported the TE import hook checks that TE runs that build.
+
 Public API: :mod:`te_gqa_fix.autopatch` (re-exports what users need).
 """
 
@@ -26,6 +32,7 @@ import os
 import sys
 
 ENV_AUTOPATCH = "TE_GQA_FIX_AUTOPATCH"
+ENV_CUDNN = "TE_GQA_FIX_CUDNN"
 TARGET = "transformer_engine.pytorch"
 PTH_NAME = "te_gqa_fix_autopatch.pth"
 
@@ -36,7 +43,13 @@ STRICT_VALUES = ("strict",)
 _MARKER = "__te_gqa_fix_import_hook__"
 
 # What happened, for `te-gqa-fix doctor` and tests (plain values, no objects kept alive).
-_state: dict = {"fired": False, "sites": None, "error": None, "activated_by": None}
+_state: dict = {
+    "fired": False,
+    "sites": None,
+    "error": None,
+    "activated_by": None,
+    "cudnn_route": False,
+}
 
 
 def autopatch_mode(value: str | None = None) -> str:
@@ -104,13 +117,24 @@ def _fire(strict: bool) -> None:
     )
 
 
+def _after_te_import(hook: TEImportHook) -> None:
+    """Right after ``transformer_engine.pytorch`` ran: check the cuDNN route, then patch."""
+    if _state["cudnn_route"]:
+        from te_gqa_fix.cudnn import verify_te_cudnn
+
+        verify_te_cudnn()  # logs a mismatch once; raises ImportError when strict
+    if hook.patch:
+        _fire(hook.strict)
+
+
 class TEImportHook:
     """``sys.meta_path`` finder that installs the fix once ``transformer_engine.pytorch``
     has been executed. It never provides a module itself: it delegates to the finders
     behind it and only wraps the loader of the spec they return."""
 
-    def __init__(self, strict: bool = False) -> None:
+    def __init__(self, strict: bool = False, patch: bool = True) -> None:
         self.strict = strict
+        self.patch = patch
         setattr(self, _MARKER, True)
 
     def __repr__(self) -> str:
@@ -153,7 +177,7 @@ class TEImportHook:
                     del loader.exec_module
                 except AttributeError:
                     pass
-            _fire(hook.strict)
+            _after_te_import(hook)
 
         try:
             # An instance attribute keeps the loader's type (isinstance checks, resources).
@@ -187,17 +211,21 @@ def is_enabled() -> bool:
     return bool(_hooks())
 
 
-def enable(strict: bool = False) -> bool:
+def enable(strict: bool = False, patch: bool = True) -> bool:
     """Put the import hook in place (once); install at once if TE is already imported.
 
-    Returns True when the fix was installed by this call (TE already imported).
+    ``patch`` False puts the hook in place only for the cuDNN check (TE_GQA_FIX_CUDNN set,
+    TE_GQA_FIX_AUTOPATCH off). Returns True when the fix was installed by this call.
     """
     hooks = _hooks()
     if hooks:
         for hook in hooks:
             hook.strict = strict
+            hook.patch = hook.patch or patch
     else:
-        sys.meta_path.insert(0, TEImportHook(strict=strict))
+        sys.meta_path.insert(0, TEImportHook(strict=strict, patch=patch))
+    if not patch:
+        return False
     if _te_fully_imported():
         # TE (and so torch) is loaded: importing te_gqa_fix costs nothing new here.
         from te_gqa_fix.patch import is_installed
@@ -222,14 +250,66 @@ def disable() -> bool:
     return bool(hooks)
 
 
-def activate() -> None:
-    """Entry point of the ``.pth`` line: enable per ``TE_GQA_FIX_AUTOPATCH``.
+class CudnnPreloadHook:
+    """``sys.meta_path`` finder that loads the chosen cuDNN right before the first import of
+    ``torch`` or ``transformer_engine``, then steps aside. It never provides a module."""
 
-    Never raises unless the variable says ``strict`` (and then only when the fix cannot
+    TRIGGERS = ("torch", "transformer_engine")
+
+    def __init__(self, setting: str) -> None:
+        self.setting = setting
+        setattr(self, _MARKER + "cudnn", True)
+
+    def __repr__(self) -> str:
+        return f"<te_gqa_fix cuDNN preload for {ENV_CUDNN}={self.setting!r}>"
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname in self.TRIGGERS:
+            _remove_cudnn_hooks()
+            preload_cudnn(self.setting)
+        return None
+
+
+def _remove_cudnn_hooks() -> None:
+    for finder in [f for f in sys.meta_path if getattr(f, _MARKER + "cudnn", False)]:
+        sys.meta_path.remove(finder)
+
+
+def preload_cudnn(setting: str) -> None:
+    """Load the cuDNN ``setting`` names (TE_GQA_FIX_CUDNN's value) now, per its strictness.
+
+    Strict failures raise ImportError (from a meta-path hook: the import of torch or TE
+    fails with the reason); otherwise they are logged once and the program goes on.
+    """
+    from te_gqa_fix.cudnn import parse_setting, use_fixed_cudnn
+
+    target, strict = parse_setting(setting)
+    if target is None:
+        return
+    try:
+        use_fixed_cudnn(target, strict=strict)
+    except Exception as exc:
+        raise ImportError(f"te_gqa_fix: {ENV_CUDNN}={setting}: {exc}") from exc
+
+
+def activate() -> None:
+    """Entry point of the ``.pth`` line: act on ``TE_GQA_FIX_CUDNN`` and
+    ``TE_GQA_FIX_AUTOPATCH``.
+
+    Never raises unless a variable says ``strict`` (and then only when the fix cannot
     be installed on a TE that is already imported, which a start-up file never sees).
     """
+    cudnn_setting = os.environ.get(ENV_CUDNN, "").strip()
+    if cudnn_setting.lower() not in OFF_VALUES:
+        _state["cudnn_route"] = True
+        if any(name in sys.modules for name in CudnnPreloadHook.TRIGGERS):
+            preload_cudnn(cudnn_setting)  # torch came first (another .pth?): try, and report
+        elif not any(getattr(f, _MARKER + "cudnn", False) for f in sys.meta_path):
+            sys.meta_path.insert(0, CudnnPreloadHook(cudnn_setting))
     mode = autopatch_mode()
     if mode == "off":
+        if _state["cudnn_route"]:
+            enable(patch=False)
         return
     _state["activated_by"] = f"{ENV_AUTOPATCH}={os.environ.get(ENV_AUTOPATCH, '')}"
     enable(strict=mode == "strict")
