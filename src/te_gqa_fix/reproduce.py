@@ -67,6 +67,11 @@ class ThdBatch:
     window: Tuple[int, int] = (-1, -1)
     bottom_right_diagonal: Optional[bool] = None
     tensors: Dict[str, torch.Tensor] = field(default_factory=dict)
+    head_dim_v: Optional[int] = None  # None: the same as head_dim (MLA uses q/k 192, v 128)
+
+    @property
+    def dim_v(self) -> int:
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
     @property
     def lq(self) -> List[int]:
@@ -110,6 +115,7 @@ def make_batch(
     mask: str = "padding_causal",
     window: Tuple[int, int] = (-1, -1),
     bottom_right_diagonal: Optional[bool] = None,
+    head_dim_v: Optional[int] = None,
 ) -> ThdBatch:
     """Lay sequences out with ``gap`` padding rows after each, ``lead`` rows before the
     first and ``tail`` rows after the last (rows that belong to no sequence)."""
@@ -140,6 +146,7 @@ def make_batch(
         mask=mask,
         window=window,
         bottom_right_diagonal=bottom_right_diagonal,
+        head_dim_v=head_dim_v,
     )
 
 
@@ -166,15 +173,15 @@ def seed_batch(second_call: bool = True) -> ThdBatch:
 def random_inputs(batch: ThdBatch, device: str = "cuda", seed: int = 0) -> Dict[str, torch.Tensor]:
     g = torch.Generator(device="cpu").manual_seed(seed)
 
-    def rnd(rows: int, heads: int) -> torch.Tensor:
-        t = torch.randn(rows, heads, batch.head_dim, generator=g, dtype=torch.float32)
+    def rnd(rows: int, heads: int, dim: int) -> torch.Tensor:
+        t = torch.randn(rows, heads, dim, generator=g, dtype=torch.float32)
         return t.to(device=device, dtype=batch.dtype)
 
     out = {
-        "q": rnd(batch.rows_q, batch.heads_q),
-        "k": rnd(batch.rows_kv, batch.heads_kv),
-        "v": rnd(batch.rows_kv, batch.heads_kv),
-        "d_o": rnd(batch.rows_q, batch.heads_q),
+        "q": rnd(batch.rows_q, batch.heads_q, batch.head_dim),
+        "k": rnd(batch.rows_kv, batch.heads_kv, batch.head_dim),
+        "v": rnd(batch.rows_kv, batch.heads_kv, batch.dim_v),
+        "d_o": rnd(batch.rows_q, batch.heads_q, batch.dim_v),
     }
     batch.tensors = out
     return out
@@ -301,7 +308,7 @@ def reference_attention(
         if k in ("q", "k", "v", "d_o")
     }
     group = batch.heads_q // batch.heads_kv
-    o = torch.zeros_like(t["q"])
+    o = torch.zeros_like(t["d_o"])
     dq = torch.zeros_like(t["q"])
     dk = torch.zeros_like(t["k"])
     dv = torch.zeros_like(t["v"])
@@ -411,7 +418,9 @@ def corrupted(res: Dict[str, float]) -> bool:
     return res["dk_dead_max"] > 0 or res["dv_dead_max"] > 0
 
 
-def large_head_dim_batch(head_dim: int = 256, heads: Tuple[int, int] = (8, 2)) -> ThdBatch:
+def large_head_dim_batch(
+    head_dim: int = 256, heads: Tuple[int, int] = (8, 2), head_dim_v: Optional[int] = None
+) -> ThdBatch:
     """The head-dim case cuDNN < 9.18 gets wrong on live rows: GQA, bf16, a q-empty
     sequence, padding between sequences and tail rows."""
     return make_batch(
@@ -425,4 +434,5 @@ def large_head_dim_batch(head_dim: int = 256, heads: Tuple[int, int] = (8, 2)) -
         gap_kv=[0, 2, 0, 4],
         tail=3,
         mask="padding_causal",
+        head_dim_v=head_dim_v,
     )

@@ -1,0 +1,142 @@
+"""Fake cuDNN builds on disk: real shared libraries that answer ``cudnnGetVersion``.
+
+The cuDNN route's claim is about the dynamic loader (the first ``RTLD_GLOBAL`` copy of a
+symbol wins), so its tests load real ELF files: each fake build is ``libcudnn.so.9`` (soname
+``libcudnn.so.9``, exporting ``cudnnGetVersion`` that returns the build's version) plus the
+seven sub-libraries, compiled with the machine's C compiler, laid out like a wheel
+(``nvidia/cudnn/lib`` + ``include/cudnn_version.h`` + an ``nvidia_cudnn_cu13-*.dist-info``)
+or like a system install (``libcudnn.so.9.14.0``). Loading happens in subprocesses only.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Optional, Sequence, Tuple
+
+SUB_LIBRARIES = (
+    "libcudnn_graph",
+    "libcudnn_engines_precompiled",
+    "libcudnn_engines_runtime_compiled",
+    "libcudnn_heuristic",
+    "libcudnn_ops",
+    "libcudnn_cnn",
+    "libcudnn_adv",
+)
+
+
+def compiler() -> Optional[str]:
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def _compile(out: Path, soname: str, body: str) -> None:
+    src = out.with_suffix(".c")
+    src.write_text(body)
+    cc = compiler()
+    assert cc is not None, "no C compiler"
+    subprocess.run(
+        [cc, "-shared", "-fPIC", f"-Wl,-soname,{soname}", "-o", str(out), str(src)],
+        check=True,
+        capture_output=True,
+    )
+    src.unlink()
+
+
+def encode(version: Tuple[int, int, int]) -> int:
+    return version[0] * 10000 + version[1] * 100 + version[2]
+
+
+def write_libs(lib_dir: Path, version: Tuple[int, int, int], suffix: str = "9") -> Path:
+    """Compile the eight libraries of one build into ``lib_dir`` (file names end in
+    ``.so.<suffix>``; ``9.14.0`` gives system-style names, with a ``.so.9`` link)."""
+    lib_dir.mkdir(parents=True, exist_ok=True)
+    for name in SUB_LIBRARIES:
+        _compile(lib_dir / f"{name}.so.{suffix}", f"{name}.so.9", f"int {name}_marker = 1;\n")
+    _compile(
+        lib_dir / f"libcudnn.so.{suffix}",
+        "libcudnn.so.9",
+        f"#include <stddef.h>\nsize_t cudnnGetVersion(void) {{ return {encode(version)}; }}\n",
+    )
+    if suffix != "9":
+        for name in (*SUB_LIBRARIES, "libcudnn"):
+            (lib_dir / f"{name}.so.9").symlink_to(f"{name}.so.{suffix}")
+    return lib_dir
+
+
+def header(include: Path, version: Tuple[int, int, int]) -> None:
+    include.mkdir(parents=True, exist_ok=True)
+    (include / "cudnn_version.h").write_text(
+        f"#define CUDNN_MAJOR {version[0]}\n#define CUDNN_MINOR {version[1]}\n"
+        f"#define CUDNN_PATCHLEVEL {version[2]}\n"
+    )
+
+
+def wheel_build(
+    site_dir: Path,
+    version: Tuple[int, int, int],
+    layout: str = "nvidia/cudnn/lib",
+    how: str = "header",
+    dist: str = "nvidia_cudnn_cu13",
+) -> Path:
+    """A wheel-installed build below ``site_dir``; its version readable by ``how``:
+    ``header`` (include/cudnn_version.h), ``metadata`` (dist-info RECORD) or ``none``."""
+    lib_dir = write_libs(site_dir / layout, version)
+    if how == "header":
+        header(lib_dir.parent / "include", version)
+    elif how == "metadata":
+        info = site_dir / f"{dist}-{'.'.join(map(str, version))}.56.dist-info"
+        info.mkdir(parents=True, exist_ok=True)
+        records: Sequence[str] = [f"{layout}/{p.name},," for p in sorted(lib_dir.iterdir())]
+        (info / "RECORD").write_text("\n".join(records) + "\n")
+    return lib_dir
+
+
+def system_build(root: Path, version: Tuple[int, int, int]) -> Path:
+    """A system-style build: ``root/lib/libcudnn.so.9.14.0`` with ``.so.9`` links."""
+    return write_libs(root / "lib", version, suffix=".".join(map(str, version)))
+
+
+_FAKE_TE_INIT = '''\
+"""Fake Transformer Engine that loads cuDNN the way TE does (tests only)."""
+import ctypes
+import os
+
+__version__ = "2.20.2"
+# TE's _load_cuda_library: the system copy first, by path, into the global scope.
+_CUDNN = ctypes.CDLL(os.environ["FAKE_TE_SYSTEM_CUDNN"], mode=ctypes.RTLD_GLOBAL)
+'''
+
+_FAKE_TE_PYTORCH = "import transformer_engine_torch  # noqa: F401\n"
+
+_FAKE_TEX = '''\
+"""Fake transformer_engine_torch: reports the cuDNN its calls bind to (the global scope)."""
+import ctypes
+import os
+
+_REPORT = os.environ.get("FAKE_TE_REPORTS")
+
+
+def get_cudnn_version():
+    if _REPORT:  # a TE that reports another version than the route loaded
+        return int(_REPORT)
+    fn = ctypes.CDLL(None).cudnnGetVersion
+    fn.restype = ctypes.c_size_t
+    return int(fn())
+'''
+
+
+def fake_te_loading_cudnn(root: Path) -> Path:
+    """A fake ``transformer_engine`` whose import loads ``$FAKE_TE_SYSTEM_CUDNN`` with
+    ``RTLD_GLOBAL`` (as TE's loader does) and whose ``transformer_engine_torch`` reports
+    the ``cudnnGetVersion`` that symbol lookup in the global scope finds."""
+    files = {
+        "transformer_engine/__init__.py": _FAKE_TE_INIT,
+        "transformer_engine/pytorch/__init__.py": _FAKE_TE_PYTORCH,
+        "transformer_engine_torch.py": _FAKE_TEX,
+    }
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root

@@ -1,0 +1,434 @@
+"""The cuDNN route (TE_GQA_FIX_CUDNN, ``te_gqa_fix.use_fixed_cudnn``) and the runtime guard.
+
+The route's claim is about the dynamic loader: the first ``RTLD_GLOBAL`` copy of a symbol
+wins, so a fixed cuDNN loaded before TE makes TE run it even though TE later loads the
+system copy by path. These tests build real shared libraries that answer
+``cudnnGetVersion`` (tests/fakes/cudnn_builds.py) and load them in fresh interpreters, with
+a fake TE that loads its "system" cuDNN the way TE's loader does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import pytest
+
+from fakes import cudnn_builds as fb
+from te_gqa_fix import affected, cudnn, guard
+from te_gqa_fix.stack import RuntimeFacts
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+PTH = SRC / "te_gqa_fix_autopatch.pth"
+
+needs_cc = pytest.mark.skipif(fb.compiler() is None, reason="needs a C compiler")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_route():
+    cudnn._reset_route()
+    guard.reset_guard()
+    yield
+    cudnn._reset_route()
+    guard.reset_guard()
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
+    """Four wheel sites (9.14 by header, 9.19 by metadata, 9.20 in TE's cu13 layout, one
+    without a version) and a system build 9.14 with versioned file names."""
+    if fb.compiler() is None:
+        pytest.skip("needs a C compiler")
+    base = tmp_path_factory.mktemp("cudnn")
+    out = {
+        "old": base / "site_old",
+        "fixed": base / "site_fixed",
+        "newest": base / "site_newest",
+        "anon": base / "site_anon",
+        "system": base / "sys",
+    }
+    fb.wheel_build(out["old"], (9, 14, 0), how="header")
+    fb.wheel_build(out["fixed"], (9, 19, 0), how="metadata")
+    fb.wheel_build(out["newest"], (9, 20, 1), layout="nvidia/cu13/cudnn/lib", how="header")
+    fb.wheel_build(out["anon"], (9, 21, 0), how="none")
+    fb.system_build(out["system"], (9, 14, 0))
+    return out
+
+
+# ----------------------------------------------------------------------------- discovery
+
+
+def test_discovery_reads_each_layout_and_version_source(builds: Dict[str, Path]) -> None:
+    found = cudnn.find_wheel_builds([str(builds[k]) for k in ("old", "fixed", "newest", "anon")])
+    by_site = {
+        f"site_{name}": b
+        for b in found
+        for name in ("old", "fixed", "newest", "anon")
+        if b.lib_dir.startswith(str(builds[name]) + os.sep)
+    }
+    assert len(found) == 4, found
+    assert by_site["site_old"].version == (9, 14, 0) and by_site["site_old"].how == "header"
+    assert by_site["site_fixed"].version == (9, 19, 0)
+    assert by_site["site_fixed"].how == "wheel metadata"
+    assert by_site["site_fixed"].distribution == "nvidia-cudnn-cu13"
+    assert by_site["site_newest"].version == (9, 20, 1)
+    assert by_site["site_newest"].lib_dir.endswith(os.path.join("nvidia", "cu13", "cudnn", "lib"))
+    assert by_site["site_anon"].version is None and not by_site["site_anon"].fixed
+    assert [b.fixed for b in found].count(True) == 2
+
+
+def test_system_build_version_from_file_name(builds: Dict[str, Path]) -> None:
+    (build,) = cudnn.find_system_builds(
+        {"CUDNN_HOME": str(builds["system"]), "LD_LIBRARY_PATH": ""}
+    )[:1]
+    assert build.version == (9, 14, 0) and build.origin == "system"
+    assert not build.fixed
+
+
+def test_choose_fixed_takes_the_newest_at_or_above_9_18(builds: Dict[str, Path]) -> None:
+    found = cudnn.find_wheel_builds([str(builds[k]) for k in ("old", "fixed", "newest", "anon")])
+    assert cudnn.choose_fixed(found).version == (9, 20, 1)
+    only_old = cudnn.find_wheel_builds([str(builds["old"])])
+    assert cudnn.choose_fixed(only_old) is None
+    without_newest = cudnn.find_wheel_builds([str(builds["old"]), str(builds["fixed"])])
+    assert cudnn.choose_fixed(without_newest).version == (9, 19, 0)
+
+
+def test_load_order_puts_libcudnn_last(builds: Dict[str, Path]) -> None:
+    (build,) = cudnn.find_wheel_builds([str(builds["fixed"])])
+    names = [os.path.basename(p) for p in build.libraries()]
+    assert names[-1] == "libcudnn.so.9"
+    assert set(names[:-1]) == {f"{n}.so.9" for n in fb.SUB_LIBRARIES}
+
+
+def test_auto_without_a_fixed_build_names_versions_seen_and_the_pip_install(
+    builds: Dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    with pytest.raises(LookupError) as err:
+        cudnn.use_fixed_cudnn("auto", search_path=[str(builds["old"])])
+    assert "9.14.0" in str(err.value) and "pip install 'nvidia-cudnn-cu" in str(err.value)
+    with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
+        assert cudnn.use_fixed_cudnn("auto", strict=False, search_path=[str(builds["old"])]) is None
+    assert any("9.14.0" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+    assert cudnn.route_state()["error"]
+
+
+def test_a_folder_without_cudnn_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"libcudnn\.so\.9"):
+        cudnn.use_fixed_cudnn(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (None, (None, False)),
+        ("", (None, False)),
+        ("off", (None, False)),
+        ("0", (None, False)),
+        ("auto", ("auto", False)),
+        (" AUTO ", ("auto", False)),
+        ("strict", ("auto", True)),
+        ("/opt/cudnn", ("/opt/cudnn", False)),
+        ("strict:/opt/cudnn", ("/opt/cudnn", True)),
+    ],
+)
+def test_parse_setting(value: Optional[str], expected: Tuple[Optional[str], bool]) -> None:
+    assert cudnn.parse_setting(value) == expected
+
+
+@pytest.mark.parametrize("major", [12, 13])
+def test_pip_hint_matches_the_cuda_major(major: int) -> None:
+    assert cudnn.pip_hint(major) == f"pip install 'nvidia-cudnn-cu{major}>=9.18'"
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def run_python(code: str, env: Dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("TE_GQA_FIX", "FAKE_TE"))}
+    full["PYTHONPATH"] = os.pathsep.join([env.pop("PYTHONPATH_FIRST", ""), str(SRC)]).strip(
+        os.pathsep
+    )
+    full.update(env)
+    return subprocess.run(
+        [sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path,
+    )  # fmt: skip
+
+
+GLOBAL_VERSION = (
+    "import ctypes\n"
+    "fn = ctypes.CDLL(None).cudnnGetVersion; fn.restype = ctypes.c_size_t\n"
+    "print('GLOBAL', fn())\n"
+)
+
+
+@needs_cc
+@pytest.mark.parametrize("preload", [True, False])
+def test_the_first_global_copy_wins(builds: Dict[str, Path], tmp_path: Path, preload: bool) -> None:
+    """What the route relies on: loaded first, the fixed build answers even after the
+    system copy is loaded by path, as TE's loader does; without it the system copy does."""
+    system = builds["system"] / "lib" / "libcudnn.so.9"
+    code = (
+        "import ctypes, os\n"
+        + (
+            f"from te_gqa_fix.cudnn import use_fixed_cudnn\n"
+            f"b = use_fixed_cudnn('auto', search_path=[{str(builds['fixed'])!r}])\n"
+            if preload
+            else ""
+        )
+        + f"ctypes.CDLL({str(system)!r}, mode=ctypes.RTLD_GLOBAL)\n"
+        + GLOBAL_VERSION
+    )
+    proc = run_python(code, {}, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert f"GLOBAL {91900 if preload else 91400}" in proc.stdout
+
+
+@needs_cc
+def test_refuses_once_a_cudnn_is_loaded(builds: Dict[str, Path], tmp_path: Path) -> None:
+    system = builds["system"] / "lib" / "libcudnn.so.9"
+    code = (
+        f"import ctypes\nctypes.CDLL({str(system)!r}, mode=ctypes.RTLD_GLOBAL)\n"
+        "from te_gqa_fix.cudnn import use_fixed_cudnn, CudnnAlreadyLoaded\n"
+        "try:\n"
+        f"    use_fixed_cudnn('auto', search_path=[{str(builds['fixed'])!r}])\n"
+        "except CudnnAlreadyLoaded as exc:\n    print('REFUSED', exc)\n"
+        "else:\n    print('LOADED')\n"
+        # the same build twice is fine
+        f"use_fixed_cudnn({str(builds['system'] / 'lib')!r})\nprint('SAME OK')\n"
+    )
+    proc = run_python(code, {}, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "REFUSED" in proc.stdout and "before torch and Transformer Engine" in proc.stdout
+    assert str(system) in proc.stdout
+    assert "SAME OK" in proc.stdout
+
+
+# ----------------------------------------------------------------------------- start-up hook
+
+
+def _hook_env(builds: Dict[str, Path], tmp_path: Path, **env: str) -> Dict[str, str]:
+    fake = fb.fake_te_loading_cudnn(tmp_path / "fake_te")
+    site_dir = tmp_path / "site_dir"
+    site_dir.mkdir(exist_ok=True)
+    shutil.copy(PTH, site_dir / PTH.name)
+    return {
+        # the fixed wheel build is on sys.path, as an environment's site-packages is
+        "PYTHONPATH_FIRST": os.pathsep.join([str(fake), str(builds["fixed"])]),
+        "FAKE_TE_SYSTEM_CUDNN": str(builds["system"] / "lib" / "libcudnn.so.9"),
+        "SITE_DIR": str(site_dir),
+        **env,
+    }
+
+
+PROBE = (
+    "import os, site, sys, json, logging\n"
+    "logging.basicConfig(level=logging.INFO, format='LOG %(levelname)s %(message)s', stream=sys.stdout)\n"
+    "site.addsitedir(os.environ['SITE_DIR'])\n"
+    "early = {m: m in sys.modules for m in ('_te_gqa_fix_autopatch', 'te_gqa_fix', "
+    "'te_gqa_fix.cudnn', 'torch')}\n"
+    "def mapped():\n"
+    "    return sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libcudnn.so' in l})\n"
+    "early_maps = mapped()\n"
+    "err = None\n"
+    "try:\n"
+    "    import transformer_engine.pytorch\n"
+    "    import transformer_engine_torch as tex\n"
+    "    te = tex.get_cudnn_version()\n"
+    "except ImportError as exc:\n"
+    "    te, err = None, str(exc)\n"
+    "route = sys.modules['te_gqa_fix.cudnn'].route_state() if 'te_gqa_fix.cudnn' in sys.modules "
+    "else None\n"
+    "print('PROBE' + json.dumps(dict(early=early, early_maps=early_maps, te=te, err=err, "
+    "maps=mapped(), route=route)))\n"
+)
+
+
+def probe(proc: subprocess.CompletedProcess) -> dict:
+    import json
+
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE")]
+    assert proc.returncode == 0 and len(lines) == 1, proc.stdout + proc.stderr
+    return json.loads(lines[0][len("PROBE") :])
+
+
+@needs_cc
+@pytest.mark.parametrize("value", [None, "off", "0"])
+def test_off_imports_nothing_and_loads_nothing(
+    builds: Dict[str, Path], tmp_path: Path, value: Optional[str]
+) -> None:
+    env = _hook_env(builds, tmp_path, **({} if value is None else {cudnn.ENV_CUDNN: value}))
+    out = probe(run_python(PROBE, env, tmp_path))
+    assert not any(out["early"].values()), out["early"]
+    assert out["route"] is None
+    assert out["te"] == 91400  # TE runs the system copy it loaded itself
+    assert all("site_fixed" not in p for p in out["maps"])
+
+
+@needs_cc
+@pytest.mark.parametrize("value", ["auto", "strict"])
+def test_auto_loads_the_fixed_build_before_te_and_te_runs_it(
+    builds: Dict[str, Path], tmp_path: Path, value: str
+) -> None:
+    env = _hook_env(builds, tmp_path, **{cudnn.ENV_CUDNN: value})
+    proc = run_python(PROBE, env, tmp_path)
+    out = probe(proc)
+    # At start-up only the stdlib hook is imported, nothing is loaded yet.
+    assert out["early"] == {
+        "_te_gqa_fix_autopatch": True,
+        "te_gqa_fix": False,
+        "te_gqa_fix.cudnn": False,
+        "torch": False,
+    }
+    assert out["early_maps"] == []
+    assert out["te"] == 91900, proc.stdout + proc.stderr
+    assert out["route"]["chosen_version"] == "9.19.0"
+    assert out["route"]["verified"] is True and out["route"]["te_cudnn"] == "9.19.0"
+    assert any("site_fixed" in p for p in out["maps"])
+    assert "loaded cuDNN 9.19.0" in proc.stdout
+
+
+@needs_cc
+@pytest.mark.parametrize("strict", [False, True])
+def test_te_running_another_cudnn_is_reported_or_fails_the_import(
+    builds: Dict[str, Path], tmp_path: Path, strict: bool
+) -> None:
+    env = _hook_env(
+        builds,
+        tmp_path,
+        **{cudnn.ENV_CUDNN: "strict" if strict else "auto", "FAKE_TE_REPORTS": "91400"},
+    )
+    proc = run_python(PROBE, env, tmp_path)
+    out = probe(proc)
+    assert out["route"]["verified"] is False
+    if strict:
+        assert out["te"] is None and "Transformer Engine runs cuDNN 9.14.0" in out["err"]
+    else:
+        assert out["te"] == 91400 and out["err"] is None
+        assert "LOG WARNING" in proc.stdout and "runs cuDNN 9.14.0" in proc.stdout
+
+
+@needs_cc
+@pytest.mark.parametrize("strict", [False, True])
+def test_auto_with_no_fixed_build_logs_or_fails(
+    builds: Dict[str, Path], tmp_path: Path, strict: bool
+) -> None:
+    env = _hook_env(builds, tmp_path, **{cudnn.ENV_CUDNN: "strict" if strict else "auto"})
+    env["PYTHONPATH_FIRST"] = os.pathsep.join([str(tmp_path / "fake_te"), str(builds["old"])])
+    proc = run_python(PROBE, env, tmp_path)
+    out = probe(proc)
+    if strict:
+        assert out["te"] is None and "found no cuDNN >= 9.18" in out["err"]
+        assert "pip install" in out["err"]
+    else:
+        assert out["te"] == 91400
+        assert "found no cuDNN >= 9.18" in proc.stdout and "9.14.0" in proc.stdout
+
+
+# ----------------------------------------------------------------------------- the rule
+
+
+@pytest.mark.parametrize(
+    "capability, cudnn_v, dims, status",
+    [
+        ((9, 0), (9, 14, 0), (128, 128), "affected"),
+        ((9, 0), (9, 14, 0), (64, 64), "affected"),
+        ((9, 0), (9, 14, 0), (192, 128), "affected"),  # MLA: measured clean on 9.14
+        ((9, 0), (9, 14, 0), (192, 192), "unrepairable"),
+        ((9, 0), (9, 14, 0), (256, 256), "unrepairable"),
+        ((9, 0), (9, 14, 0), (256, 128), "unrepairable"),  # not measured: not vouched for
+        ((9, 0), (9, 14, 0), (128, 256), "unrepairable"),
+        ((9, 0), (9, 18, 0), (256, 256), "not_affected"),
+        ((9, 0), (9, 19, 0), (256, 256), "not_affected"),
+        ((8, 0), (9, 14, 0), (256, 256), "not_affected"),
+        ((10, 0), (9, 14, 0), (256, 256), "not_affected"),
+        (None, (9, 14, 0), (256, 256), "unknown"),
+        ((9, 0), None, (256, 256), "unknown"),
+    ],
+)
+def test_rule_table(capability, cudnn_v, dims, status) -> None:
+    assert affected.verdict(capability, cudnn_v, *dims).status == status
+
+
+def _facts(monkeypatch: pytest.MonkeyPatch, capability, cudnn_v) -> None:
+    monkeypatch.setattr(
+        guard, "runtime_facts", lambda index=None: RuntimeFacts(capability, cudnn_v)
+    )
+
+
+@pytest.mark.parametrize(
+    "capability, cudnn_v, dims, warns",
+    [
+        ((9, 0), (9, 14, 0), (256, 256), True),
+        ((9, 0), (9, 14, 0), (192, 192), True),
+        ((9, 0), (9, 14, 0), (256, 128), True),
+        ((9, 0), (9, 14, 0), (192, 128), False),
+        ((9, 0), (9, 14, 0), (128, 128), False),
+        ((9, 0), (9, 19, 0), (256, 256), False),
+        ((10, 0), (9, 14, 0), (256, 256), False),
+        ((9, 0), None, (256, 256), False),
+    ],
+)
+def test_guard_warns_once_per_configuration(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    capability,
+    cudnn_v,
+    dims,
+    warns: bool,
+) -> None:
+    _facts(monkeypatch, capability, cudnn_v)
+    monkeypatch.setattr(cudnn, "find_wheel_builds", lambda search_path=None: [])
+    with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
+        for _ in range(3):
+            guard.check_head_dims(0, *dims)
+    hits = [r for r in caplog.records if "cannot repair" in r.getMessage()]
+    assert len(hits) == (1 if warns else 0)
+    if warns:
+        msg = hits[0].getMessage()
+        assert f"head dim {dims[0]}" in msg and "cuDNN 9.14.0" in msg and "sm90" in msg
+        assert "pip install 'nvidia-cudnn-cu" in msg
+
+
+def test_guard_strict_raises_on_every_call_and_off_is_silent(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _facts(monkeypatch, (9, 0), (9, 14, 0))
+    monkeypatch.setattr(cudnn, "find_wheel_builds", lambda search_path=None: [])
+    monkeypatch.setenv(guard.ENV_GUARD, "strict")
+    for _ in range(2):
+        with pytest.raises(guard.UnrepairableConfiguration, match="head dim 256"):
+            guard.check_head_dims(0, 256, 256)
+    guard.check_head_dims(0, 128, 128)  # repairable: no error
+    monkeypatch.setenv(guard.ENV_GUARD, "off")
+    with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
+        guard.check_head_dims(0, 256, 256)
+    assert not caplog.records
+
+
+def test_guard_remedy_names_the_installed_fixed_build(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _facts(monkeypatch, (9, 0), (9, 14, 0))
+    build = cudnn.CudnnBuild("/env/site-packages/nvidia/cudnn/lib", (9, 19, 0), "wheel", "header")
+    monkeypatch.setattr(cudnn, "find_wheel_builds", lambda search_path=None: [build])
+    with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
+        guard.check_head_dims(0, 256, 256)
+    (record,) = caplog.records
+    assert "TE_GQA_FIX_CUDNN=auto" in record.getMessage()
+    assert "cuDNN 9.19.0 is installed at /env/site-packages/nvidia/cudnn/lib" in record.getMessage()
+
+
+@pytest.mark.parametrize(
+    "cudnn_v, fixed", [((9, 19, 0), True), ((9, 18, 0), True), ((9, 14, 0), False), (None, False)]
+)
+def test_cudnn_fixed_decision(monkeypatch: pytest.MonkeyPatch, cudnn_v, fixed: bool) -> None:
+    _facts(monkeypatch, (9, 0), cudnn_v)
+    assert guard.cudnn_fixed(0) is fixed
