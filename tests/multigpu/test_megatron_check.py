@@ -1,0 +1,370 @@
+"""CPU tests of issue 11's Megatron-Core check (tests/multigpu/megatron/check.py) and of the
+pure parts of examples/megatron_core.py (the packed dataset, the grad statistics).
+
+No GPU, TE or Megatron-Core: synthetic run JSONs stand in for the GPU runs, so the
+comparison's pass/fail logic is checked before the GPU machine ever runs it. The plot test
+skips without matplotlib."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Dict, List, Optional
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECK = ROOT / "tests" / "multigpu" / "megatron" / "check.py"
+EXAMPLE = ROOT / "examples" / "megatron_core.py"
+
+
+def _load(name: str, path: Path) -> ModuleType:
+    mod = sys.modules.get(name)
+    if mod is None:
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def ck() -> ModuleType:
+    return _load("te_gqa_fix_tests_megatron_check", CHECK)
+
+
+@pytest.fixture(scope="module")
+def ex() -> ModuleType:
+    return _load("te_gqa_fix_tests_megatron_example", EXAMPLE)
+
+
+# ----------------------------------------------------------------------------- synthetic runs
+
+STEPS = 12
+FIX_LINE = "te_gqa_fix: te_gqa_fix: installed by TE_GQA_FIX_AUTOPATCH after transformer_engine.pytorch was imported (3 sites rebound)"
+
+
+def curve(scale: float = 0.0, seed: int = 0) -> Dict[str, List[float]]:
+    """A plausible training curve, plus a deterministic wiggle of relative size ``scale``."""
+    wig = [math.sin(1.7 * t + seed) * scale for t in range(STEPS)]
+    return {
+        "loss": [6.9 * math.exp(-0.08 * t) * (1 + w) for t, w in enumerate(wig)],
+        "grad_norm": [3.0 / (1 + 0.2 * t) * (1 + w) for t, w in enumerate(wig)],
+        "attn_qkv": [1.0 / (1 + 0.2 * t) * (1 + 2 * w) for t, w in enumerate(wig)],
+        "attn_proj": [0.5 / (1 + 0.2 * t) * (1 - w) for t, w in enumerate(wig)],
+    }
+
+
+def make_run(
+    c: Dict[str, List[float]],
+    *,
+    fix: bool,
+    cudnn: str,
+    cp: int = 2,
+    poison: bool = False,
+    nan_from: Optional[int] = None,
+    init_sum: float = 123.456,
+    complete: bool = True,
+) -> Dict[str, Any]:
+    steps = []
+    for t in range(STEPS):
+        nan = nan_from is not None and t >= nan_from
+        v = {q: (float("nan") if nan else c[q][t]) for q in c}
+        steps.append(
+            {
+                "step": t,
+                "loss": "nan" if nan else v["loss"],
+                "loss_tokens": 7000 + t,
+                "grad_norm": "nan" if nan else v["grad_norm"],
+                "attn_grad_norm": math.hypot(v["attn_qkv"], v["attn_proj"]),
+                "nan": nan,
+                "groups": {
+                    "attn_qkv": {"norm": v["attn_qkv"], "max_abs": v["attn_qkv"] / 10},
+                    "attn_proj": {"norm": v["attn_proj"], "max_abs": v["attn_proj"] / 10},
+                },
+            }
+        )
+    sites = {
+        "transformer_engine.pytorch.cpp_extensions.fused_attn": fix,
+        "transformer_engine.pytorch.attention.dot_product_attention.backends": fix,
+        "transformer_engine.pytorch.attention.dot_product_attention.context_parallel": fix,
+    }
+    return {
+        "config": {"steps": STEPS, "cp": cp, "layers": 4, "heads": 16, "groups": 4},
+        "stack": {"cudnn_te": cudnn, "fused_attn_bwd_wrapped": sites, "gpu": "fake"},
+        "init_checksum": {"sum": init_sum, "sumsq": 1.0},
+        "poison": poison,
+        "complete": complete,
+        "steps": steps,
+    }
+
+
+def good_runs() -> Dict[str, Dict[str, Any]]:
+    c = curve()
+    return {
+        "a": make_run(curve(0.001, 3), fix=False, cudnn="9.14.0"),
+        "b": make_run(curve(0.001, 1), fix=True, cudnn="9.14.0"),
+        "c": make_run(c, fix=False, cudnn="9.19.0"),
+        "d": make_run(curve(0.002, 2), fix=True, cudnn="9.14.0", cp=1),
+    }
+
+
+def logs_for(runs: Dict[str, Dict[str, Any]]) -> Dict[str, str]:
+    on = {"b", "d"}
+    return {n: ("INFO\n" + (FIX_LINE if n.split("_")[0] in on else "") + "\n") for n in runs}
+
+
+def write(folder: Path, runs: Dict[str, Dict[str, Any]], logs: Dict[str, str]) -> None:
+    for name, run in runs.items():
+        (folder / f"{name}.json").write_text(json.dumps(run))
+        (folder / f"{name}.log").write_text(logs.get(name, ""))
+
+
+# ----------------------------------------------------------------------------- tolerance
+
+
+def test_band_is_factor_times_running_spread_plus_ulps(ck):
+    ref = [1.0, 1.0, 2.0]
+    alt = [1.1, 1.0, 2.0]  # spread 0.1 at step 0; the running max keeps it afterwards
+    got = ck.band(ref, alt, factor=2.0, ulps=4.0)
+    eps = 2.0**-7
+    assert got == pytest.approx([0.2 + 4 * eps, 0.2 + 4 * eps, 0.2 + 8 * eps])
+
+
+def test_compare_flags_first_step_outside_and_nan(ck):
+    ref, alt = [1.0] * 5, [1.0] * 5  # no spread: only the ulps term, 4 eps = 0.03125
+    ok = ck.compare([1.0, 1.02, 0.99, 1.0, 1.0], ref, alt)
+    assert ok["ok"] and ok["max_ratio"] < 1
+    bad = ck.compare([1.0, 1.0, 1.1, 1.0, 1.0], ref, alt)
+    assert not bad["ok"] and bad["first_step_outside"] == 2
+    nan = ck.compare([1.0, float("nan"), 1.0, 1.0, 1.0], ref, alt)
+    assert not nan["ok"] and nan["first_step_outside"] == 1
+
+
+def test_matching_runs_pass(ck):
+    runs = good_runs()
+    report = ck.evaluate(runs, logs_for(runs))
+    assert report["problems"] == []
+    assert report["ok"]
+    assert {(m["test"], m["ref"]) for m in report["matches"]} == {("b", "c"), ("b", "d")}
+
+
+def test_b_outside_the_band_fails(ck):
+    runs = good_runs()
+    bad = curve(0.001, 1)
+    bad["attn_qkv"][5] *= 1.5  # one step's attention gradient off by 50%
+    runs["b"] = make_run(bad, fix=True, cudnn="9.14.0")
+    report = ck.evaluate(runs, logs_for(runs))
+    assert not report["ok"]
+    assert any(p.startswith("b does not match c: attn_qkv") for p in report["problems"])
+
+
+def test_nan_in_b_fails(ck):
+    runs = good_runs()
+    runs["b"] = make_run(curve(0.001, 1), fix=True, cudnn="9.14.0", nan_from=8)
+    report = ck.evaluate(runs, logs_for(runs))
+    assert not report["ok"]
+    assert any("NaN at steps [8" in p for p in report["problems"])
+
+
+def test_poisoned_b_is_checked_too(ck):
+    runs = good_runs()
+    bad = curve(0.001, 1)
+    bad["grad_norm"] = [g * 100 for g in bad["grad_norm"]]
+    runs["b_poison"] = make_run(bad, fix=True, cudnn="9.14.0", poison=True)
+    report = ck.evaluate(runs, logs_for(runs))
+    assert not report["ok"]
+    assert any(p.startswith("b_poison does not match") for p in report["problems"])
+
+
+def test_divergence_of_a_is_measured(ck):
+    runs = good_runs()
+    a = curve(0.001, 3)
+    for t in range(3, STEPS):
+        a["grad_norm"][t] *= 1000.0
+        a["attn_qkv"][t] *= 4000.0
+    runs["a"] = make_run(a, fix=False, cudnn="9.14.0", nan_from=9)
+    report = ck.evaluate(runs, logs_for(runs))
+    assert report["ok"], report["problems"]  # (a) diverging is a finding, not a failure
+    dv = report["divergence"]["a"]
+    assert dv["diverged"]
+    assert dv["first_nan_step"] == 9
+    assert dv["first_step_outside_band"] == 3
+    assert dv["max_grad_norm_ratio"] == pytest.approx(1000.0, rel=0.01)
+    assert dv["max_attn_qkv_ratio"] == pytest.approx(4000.0, rel=0.01)
+
+
+def test_quiet_a_is_reported_as_not_diverged(ck):
+    runs = good_runs()
+    report = ck.evaluate(runs, logs_for(runs))
+    assert report["divergence"]["a"]["diverged"] is False
+    assert report["divergence"]["a"]["first_nan_step"] is None
+
+
+# ----------------------------------------------------------------------------- preconditions
+
+
+def test_fix_not_seen_in_b_fails(ck):
+    runs = good_runs()
+    logs = logs_for(runs)
+    logs["b"] = "INFO\n"  # the start-up hook never logged: the fix may not be active
+    report = ck.evaluate(runs, logs)
+    assert not report["ok"]
+    assert any(p.startswith("b: fix expected on") for p in report["problems"])
+
+
+def test_fix_seen_in_a_fails(ck):
+    runs = good_runs()
+    runs["a"] = make_run(curve(0.001, 3), fix=True, cudnn="9.14.0")
+    report = ck.evaluate(runs, logs_for(runs))
+    assert any(p.startswith("a: fix expected off") for p in report["problems"])
+
+
+def test_wrong_cudnn_fails(ck):
+    runs = good_runs()
+    runs["c"]["stack"]["cudnn_te"] = "9.14.0"  # the "fixed" reference ran the buggy cuDNN
+    runs["b"]["stack"]["cudnn_te"] = "9.19.0"  # and (b) a cuDNN where the fix is moot
+    report = ck.evaluate(runs, logs_for(runs))
+    assert not report["ok"]
+    assert any(p.startswith("c: cuDNN (9, 14, 0) < 9.18") for p in report["problems"])
+    assert any(p.startswith("b: cuDNN (9, 19, 0) >= 9.18") for p in report["problems"])
+
+
+def test_different_initial_weights_fail(ck):
+    runs = good_runs()
+    runs["d"]["init_checksum"]["sum"] = 999.0
+    report = ck.evaluate(runs, logs_for(runs))
+    assert any("same weights" in p for p in report["problems"])
+
+
+def test_incomplete_or_missing_run_fails(ck):
+    runs = good_runs()
+    runs["c"]["complete"] = False
+    runs["c"]["steps"] = runs["c"]["steps"][:5]
+    del runs["d"]
+    report = ck.evaluate(runs, logs_for(runs))
+    assert not report["ok"]
+    assert "run d missing" in report["problems"]
+    assert any(p.startswith("c: incomplete (5 of 12") for p in report["problems"])
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def test_main_writes_summary_and_curves(ck, tmp_path):
+    runs = good_runs()
+    write(tmp_path, runs, logs_for(runs))
+    rc = ck.main([str(tmp_path), "--plot", "none"])
+    assert rc == 0
+    md = (tmp_path / "summary.md").read_text()
+    assert "RESULT: PASS" in md and "(a) cuDNN 9.14, fix off" in md
+    rows = (tmp_path / "curves.csv").read_text().splitlines()
+    assert len(rows) == STEPS + 1 and rows[0].startswith("step,a.loss,a.grad_norm")
+    assert json.loads((tmp_path / "report.json").read_text())["ok"] is True
+
+
+def test_main_exits_nonzero_when_b_does_not_match(ck, tmp_path):
+    runs = good_runs()
+    bad = curve(0.001, 1)
+    bad["loss"] = [x * 1.2 for x in bad["loss"]]
+    runs["b"] = make_run(bad, fix=True, cudnn="9.14.0")
+    write(tmp_path, runs, logs_for(runs))
+    assert ck.main([str(tmp_path), "--plot", "none"]) == 1
+    assert "RESULT: FAIL" in (tmp_path / "summary.md").read_text()
+
+
+def test_main_usage_errors(ck, tmp_path):
+    assert ck.main([str(tmp_path / "nope")]) == 2
+    assert ck.main([str(tmp_path)]) == 2  # no run JSON
+
+
+def test_plot_is_written(ck, tmp_path):
+    pytest.importorskip("matplotlib")
+    runs = good_runs()
+    runs["a_poison"] = make_run(curve(0.5, 4), fix=False, cudnn="9.14.0", poison=True, nan_from=7)
+    runs["b_poison"] = make_run(curve(0.001, 5), fix=True, cudnn="9.14.0", poison=True)
+    write(tmp_path, runs, logs_for(runs))
+    plot = tmp_path / "p.png"
+    assert ck.main([str(tmp_path), "--plot", str(plot)]) == 0
+    assert plot.stat().st_size > 10_000
+    assert "![loss and gradient norms](p.png)" in (tmp_path / "summary.md").read_text()
+
+
+# ----------------------------------------------------------------------------- the example
+
+
+def test_example_has_no_te_gqa_fix_call():
+    """Issue 11: the fix must come from the environment only."""
+    tree = ast.parse(EXAMPLE.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            assert not any(a.name.split(".")[0].startswith("te_gqa_fix") for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert not (node.module or "").startswith(("te_gqa_fix", "_te_gqa_fix"))
+        elif isinstance(node, ast.Name):
+            assert not node.id.startswith(("te_gqa_fix", "_te_gqa_fix"))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            assert node.func.id not in ("__import__", "import_module")
+
+
+def test_example_imports_megatron_only_inside_main():
+    """Its dataset and statistics helpers import on a machine without Megatron or TE."""
+    tree = ast.parse(EXAMPLE.read_text())
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
+    assert not [m for m in names if m.startswith(("megatron", "transformer_engine"))]
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_dataset_is_packed_like_megatron(ex, cp):
+    mult = ex.pad_multiple_for(cp)
+    assert mult == 4  # the same global batch for CP 1 and CP 2
+    ds = ex.make_dataset(7, 3, 1024, 256, mult)
+    assert ds == ex.make_dataset(7, 3, 1024, 256, mult)  # fixed: a function of the seed
+    assert ds != ex.make_dataset(8, 3, 1024, 256, mult)
+    for b in ds:
+        cu, cu_pad = b["cu_seqlens"], b["cu_seqlens_padded"]
+        assert len(b["tokens"]) == len(b["labels"]) == len(b["loss_mask"]) == 1024
+        assert cu_pad[-1] == 1024 and len(cu) == len(cu_pad)
+        lens = [y - x for x, y in zip(cu, cu[1:])]
+        padded = [y - x for x, y in zip(cu_pad, cu_pad[1:])]
+        assert all(p % (2 * cp) == 0 and p >= n >= 1 for n, p in zip(lens, padded))
+        assert any(p > n for n, p in zip(lens, padded))  # padding between sequences
+        assert sum(b["loss_mask"]) == sum(n - 1 for n in lens)
+        assert b["max_seqlen"] == max(padded)
+        for start, n, p in zip(cu_pad, lens, padded):
+            assert 0 not in b["tokens"][start : start + n]
+            assert b["tokens"][start + n : start + p] == [0] * (p - n)
+            assert b["labels"][start : start + n - 1] == b["tokens"][start + 1 : start + n]
+
+
+def test_pad_multiple_must_suit_cp(ex):
+    assert ex.pad_multiple_for(4) == 8
+    with pytest.raises(ValueError):
+        ex.pad_multiple_for(2, 6)
+
+
+def test_grad_stats_groups_and_nan(ex):
+    import torch
+
+    stats = ex.grad_stats(
+        [
+            ("module.module.decoder.layers.0.self_attention.linear_qkv.weight", torch.ones(4, 4)),
+            ("module.module.decoder.layers.1.self_attention.linear_qkv.weight", torch.ones(3) * 2),
+            ("module.module.decoder.layers.1.self_attention.linear_proj.weight", torch.ones(1)),
+            ("module.module.decoder.layers.0.mlp.linear_fc1.weight", torch.tensor([float("nan")])),
+        ]
+    )
+    assert stats["layer0.attn_qkv"]["norm"] == pytest.approx(4.0)
+    assert stats["attn_qkv"]["norm"] == pytest.approx(math.sqrt(16 + 12))
+    assert stats["attn_qkv"]["max_abs"] == 2.0
+    assert stats["attn_proj"]["norm"] == pytest.approx(1.0)
+    assert stats["mlp"]["nonfinite"] == 1 and math.isnan(stats["all"]["norm"])
+    assert stats["attn_qkv"]["nonfinite"] == 0
