@@ -342,10 +342,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # INFO before anything imports TE: the start-up hook (if enabled) logs there.
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)
-    # Only cuDNN's fused attention (the backend in question); TE reads these at selection.
-    os.environ.setdefault("NVTE_FLASH_ATTN", "0")
-    os.environ.setdefault("NVTE_FUSED_ATTN", "1")
-    os.environ.setdefault("NVTE_UNFUSED_ATTN", "0")
+    # Only cuDNN's fused attention (the backend in question): Megatron's own switch
+    # (attention_backend=fused below), which sets TE's NVTE_*_ATTN variables itself and
+    # refuses values set by hand that disagree with it.
 
     # Megatron-Core (imports transformer_engine.pytorch, so TE loads its cuDNN before NCCL
     # or anything else in torch loads torch's copy).
@@ -358,6 +357,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnBackend
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
@@ -406,6 +406,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         context_parallel_size=cp,
         cp_comm_type=args.cp_comm,
         calculate_per_token_loss=True,
+        attention_backend=AttnBackend.fused,
     )
     model = GPTModel(
         config=config,
