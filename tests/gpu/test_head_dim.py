@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import te_gqa_fix
 from te_gqa_fix.reproduce import (
     compare,
     exact,
@@ -19,6 +18,7 @@ from te_gqa_fix.reproduce import (
     te_backward,
     te_forward,
 )
+from te_gqa_fix.wrapper import unwrap, wrapper_for
 
 pytestmark = pytest.mark.gpu
 
@@ -46,9 +46,7 @@ def test_large_head_dim(te, cudnn, affected, d, heads, record, request):
     )
     random_inputs(batch, seed=d)
     te_forward(batch)
-    wrapper = te_gqa_fix.make_wrapper(
-        te_gqa_fix.wrapper.unwrap(te.cpp_extensions.fused_attn.fused_attn_bwd)
-    )
+    wrapper = wrapper_for(unwrap(te.cpp_extensions.fused_attn.fused_attn_bwd))
     poison_allocator(1000.0)
     res = compare(batch, te_backward(batch, fn=wrapper), references(batch))
     record(

@@ -23,6 +23,7 @@ from te_gqa_fix.reproduce import (
     te_backward,
     te_forward,
 )
+from te_gqa_fix.wrapper import unwrap, wrapper_for
 
 pytestmark = pytest.mark.gpu
 
@@ -43,7 +44,7 @@ def _run(fn, second_call: bool, poison: bool):
 def test_seed_unpatched_shows_bug_where_affected(te, cudnn, affected, record):
     from transformer_engine.pytorch.cpp_extensions import fused_attn
 
-    original = te_gqa_fix.wrapper.unwrap(fused_attn.fused_attn_bwd)
+    original = unwrap(fused_attn.fused_attn_bwd)
     _run(original, second_call=False, poison=False)  # the report's first call
     batch, out = _run(original, second_call=True, poison=True)
     res = compare(batch, out, references(batch))
@@ -67,9 +68,7 @@ def test_seed_unpatched_shows_bug_where_affected(te, cudnn, affected, record):
 
 @pytest.mark.parametrize("second_call", [False, True])
 def test_seed_patched_is_exact(te, cudnn, second_call, record):
-    wrapper = te_gqa_fix.make_wrapper(
-        te_gqa_fix.wrapper.unwrap(te.cpp_extensions.fused_attn.fused_attn_bwd)
-    )
+    wrapper = wrapper_for(unwrap(te.cpp_extensions.fused_attn.fused_attn_bwd))
     _run(wrapper, second_call=False, poison=True)
     batch, out = _run(wrapper, second_call=second_call, poison=True)
     res = compare(batch, out, references(batch))

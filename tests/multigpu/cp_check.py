@@ -339,6 +339,7 @@ class Runner:
 
     def stack(self) -> Dict[str, Any]:
         import te_gqa_fix
+        from te_gqa_fix.policy import get_policy
 
         info: Dict[str, Any] = {
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -357,7 +358,7 @@ class Runner:
             "cp_size": self.world,
             "cudnn_torch": _torch_cudnn_version(),
             "te_gqa_fix": te_gqa_fix.__version__,
-            "te_gqa_fix_policy": te_gqa_fix.get_policy(),
+            "te_gqa_fix_policy": get_policy(),
             "te": str(te_gqa_fix.get_te_version()),
             "argv": sys.argv,
             "env": {
