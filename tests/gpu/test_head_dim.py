@@ -6,12 +6,12 @@ there (strict), expected to pass on newer cuDNN, with the post-pass installed ei
 from __future__ import annotations
 
 import pytest
-import torch
 
+from te_gqa_fix.affected import verdict
 from te_gqa_fix.reproduce import (
     compare,
     exact,
-    make_batch,
+    large_head_dim_batch,
     poison_allocator,
     random_inputs,
     references,
@@ -25,25 +25,14 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("d", [192, 256])
-def test_large_head_dim(te, cudnn, affected, d, heads, record, request):
-    if affected:
+def test_large_head_dim(te, capability, cudnn, affected, d, heads, record, request):
+    if verdict(capability, cudnn, d).status == "unrepairable":
         request.applymarker(
             pytest.mark.xfail(
                 strict=True, reason="cuDNN < 9.18 on Hopper: d > 128 backward wrong on live rows"
             )
         )
-    batch = make_batch(
-        [40, 0, 64, 20],
-        [48, 30, 64, 20],
-        heads_q=heads[0],
-        heads_kv=heads[1],
-        head_dim=d,
-        dtype=torch.bfloat16,
-        gap_q=[2, 0, 4, 1],
-        gap_kv=[0, 2, 0, 4],
-        tail=3,
-        mask="padding_causal",
-    )
+    batch = large_head_dim_batch(d, heads)
     random_inputs(batch, seed=d)
     te_forward(batch)
     wrapper = wrapper_for(unwrap(te.cpp_extensions.fused_attn.fused_attn_bwd))
