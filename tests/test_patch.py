@@ -230,7 +230,7 @@ def test_install_without_symbol_raises_clear_error(
     fake_te: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     broken = tmp_path / "broken"
-    te_package.write_fake_te(broken, with_symbol=False)
+    te_package.write_fake_te(broken, signature=None)
     monkeypatch.syspath_prepend(str(broken))
     importlib.invalidate_caches()
     with pytest.raises(ImportError, match="has no attribute 'fused_attn_bwd'"):

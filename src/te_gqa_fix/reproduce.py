@@ -29,6 +29,7 @@ __all__ = [
     "seed_batch",
     "te_backward",
     "te_forward",
+    "tolerance",
 ]
 
 
@@ -367,6 +368,17 @@ def references(batch: ThdBatch, device: str = "cuda") -> Dict[str, Dict[str, tor
     }
 
 
+def ulps(ref_max: float, dtype: torch.dtype) -> float:
+    """A few units in the last place of the reference's magnitude, in ``dtype``."""
+    return 4 * torch.finfo(dtype).eps * max(ref_max, 1e-3)
+
+
+def tolerance(err_same: float, ref_max: float, dtype: torch.dtype, factor: float = 2.0) -> float:
+    """The bound for an error against the fp32 reference: ``factor`` times the error of
+    the same computation in ``dtype`` (``err_same``), plus :func:`ulps`."""
+    return factor * err_same + ulps(ref_max, dtype)
+
+
 def compare(
     batch: ThdBatch, out: Sequence[torch.Tensor], refs, factor: float = 2.0
 ) -> Dict[str, float]:
@@ -383,7 +395,7 @@ def compare(
         err = (mine - ref).abs().max().item() if ref.numel() else 0.0
         err_pt = (same - ref).abs().max().item() if ref.numel() else 0.0
         ref_max = ref.abs().max().item() if ref.numel() else 0.0
-        bound = factor * err_pt + 4 * torch.finfo(batch.dtype).eps * max(ref_max, 1e-3)
+        bound = tolerance(err_pt, ref_max, batch.dtype, factor)
         dead_rows = got[dead.q if name == "dq" else dead.kv]
         res[f"{name}_err"] = err
         res[f"{name}_bound"] = bound
