@@ -69,6 +69,34 @@ class ThdBatch:
     bottom_right_diagonal: Optional[bool] = None
     tensors: Dict[str, torch.Tensor] = field(default_factory=dict)
 
+    @classmethod
+    def of_tensors(
+        cls,
+        tensors: Dict[str, torch.Tensor],
+        cu_q: Sequence[int],
+        cu_kv: Sequence[int],
+        pad_q: Sequence[int],
+        pad_kv: Sequence[int],
+        **fields: Any,
+    ) -> ThdBatch:
+        """The batch of existing THD tensors ``q``, ``k``, ``v``, ``d_o``: rows, heads, head
+        dim and dtype are read from them; ``fields`` sets ``mask``, ``window``, ..."""
+        q, k = tensors["q"], tensors["k"]
+        return cls(
+            cu_q=list(cu_q),
+            cu_kv=list(cu_kv),
+            pad_q=list(pad_q),
+            pad_kv=list(pad_kv),
+            rows_q=q.shape[0],
+            rows_kv=k.shape[0],
+            heads_q=q.shape[1],
+            heads_kv=k.shape[1],
+            head_dim=q.shape[2],
+            dtype=q.dtype,
+            tensors=dict(tensors),
+            **fields,
+        )
+
     @property
     def lq(self) -> List[int]:
         return [b - a for a, b in zip(self.cu_q, self.cu_q[1:])]

@@ -54,20 +54,8 @@ def get_thd_partitioned_indices(
 
 def _exact(q, k, v, d_o, cu: Sequence[int], pad: Sequence[int]) -> Dict[str, torch.Tensor]:
     """fp32 causal attention (self-attention, top-left) and its gradients."""
-    batch = ThdBatch(
-        cu_q=list(cu),
-        cu_kv=list(cu),
-        pad_q=list(pad),
-        pad_kv=list(pad),
-        rows_q=q.shape[0],
-        rows_kv=k.shape[0],
-        heads_q=q.shape[1],
-        heads_kv=k.shape[1],
-        head_dim=q.shape[2],
-        dtype=q.dtype,
-        mask="padding_causal",
-        tensors={"q": q, "k": k, "v": v, "d_o": d_o},
-    )
+    tensors = {"q": q, "k": k, "v": v, "d_o": d_o}
+    batch = ThdBatch.of_tensors(tensors, cu, cu, pad, pad, mask="padding_causal")
     with torch.enable_grad():
         return reference_attention(batch, torch.float32, device=str(q.device))
 

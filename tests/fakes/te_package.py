@@ -136,21 +136,15 @@ def reference_kernel(args: Dict[str, Any], bug: str) -> list:
     else:
         scale = args["attn_scale"]
         assert scale is None or abs(scale - q.shape[-1] ** -0.5) < 1e-9, scale
-        batch = ThdBatch(
-            cu_q=cu_q,
-            cu_kv=cu_kv,
-            pad_q=pad_q,
-            pad_kv=pad_kv,
-            rows_q=q.shape[0],
-            rows_kv=k.shape[0],
-            heads_q=q.shape[1],
-            heads_kv=k.shape[1],
-            head_dim=q.shape[2],
-            dtype=q.dtype,
+        batch = ThdBatch.of_tensors(
+            {"q": q, "k": k, "v": v, "d_o": args["d_o"]},
+            cu_q,
+            cu_kv,
+            pad_q,
+            pad_kv,
             mask=args["attn_mask_type"],
             window=tuple(args["window_size"]),
             bottom_right_diagonal=args.get("bottom_right_diagonal"),
-            tensors={"q": q, "k": k, "v": v, "d_o": args["d_o"]},
         )
         with torch.enable_grad():  # a real backward runs without autograd; the fake uses it
             ref = reference_attention(batch, torch.float32, device=str(q.device))

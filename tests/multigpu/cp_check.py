@@ -219,20 +219,8 @@ def thd_batch(
     """The packed self-attention batch of ``pairs`` (valid, padded length), causal."""
     cu = cumulative([n for n, _ in pairs])
     cu_padded = cumulative([p for _, p in pairs])
-    return ThdBatch(
-        cu_q=cu,
-        cu_kv=cu,
-        pad_q=cu_padded,
-        pad_kv=cu_padded,
-        rows_q=q.shape[0],
-        rows_kv=k.shape[0],
-        heads_q=q.shape[1],
-        heads_kv=k.shape[1],
-        head_dim=q.shape[2],
-        dtype=q.dtype,
-        mask="padding_causal",
-        tensors={"q": q, "k": k, "v": v, "d_o": dout},
-    )
+    tensors = {"q": q, "k": k, "v": v, "d_o": dout}
+    return ThdBatch.of_tensors(tensors, cu, cu, cu_padded, cu_padded, mask="padding_causal")
 
 
 def reference_pair(batch: ThdBatch, device: torch.device) -> Dict[str, Dict[str, torch.Tensor]]:
