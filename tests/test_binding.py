@@ -29,8 +29,7 @@ from fakes.te_outputs import (
     split_call,
 )
 from fakes.te_signatures import SIGNATURES
-from te_gqa_fix import make_wrapper
-from te_gqa_fix.wrapper import is_wrapper, unwrap
+from te_gqa_fix.wrapper import _new_wrapper, is_wrapper, unwrap, wrapper_for
 
 VERSIONS = ("2.8", "2.20")
 # Sequences (lq, lk): ordinary, q-empty (the bug), kv-empty, square, lq > lk, empty;
@@ -111,7 +110,7 @@ def test_wrapper_routes_arguments_and_zeroes_oracle_rows(
 ) -> None:
     mask, window, brd = MASK_CASES[case]
     fake = FakeTE(version)
-    wrapped = make_wrapper(fake.fn)
+    wrapped = wrapper_for(fake.fn)
     arguments = call_arguments(
         version,
         RAGGED,
@@ -141,7 +140,7 @@ def test_defaults_left_out_like_context_parallel(version: str) -> None:
     # TE 2.20's context_parallel.py passes neither window_size nor bottom_right_diagonal:
     # the wrapper must use the signature's defaults ((-1, -1), None -> by mask name).
     fake = FakeTE(version)
-    wrapped = make_wrapper(fake.fn)
+    wrapped = wrapper_for(fake.fn)
     arguments = call_arguments(version, RAGGED, attn_mask_type="padding_causal_bottom_right")
     names = fake.names
     n = names.index("cu_seqlens_q_padded")
@@ -158,11 +157,12 @@ def test_defaults_left_out_like_context_parallel(version: str) -> None:
 @pytest.mark.parametrize("version", VERSIONS)
 def test_wrapper_metadata(version: str) -> None:
     fake = FakeTE(version)
-    wrapped = make_wrapper(fake.fn)
+    wrapped = wrapper_for(fake.fn)
     assert wrapped.__wrapped__ is fake.fn
     assert is_wrapper(wrapped) and not is_wrapper(fake.fn)
     assert unwrap(wrapped) is fake.fn
-    assert make_wrapper(wrapped) is wrapped, "wrapping a wrapper must not nest"
+    assert wrapper_for(wrapped) is wrapped, "wrapping a wrapper must not nest"
+    assert _new_wrapper(wrapped) is wrapped, "nor may the uncached constructor nest"
     assert wrapped.__name__ == "fused_attn_bwd"
     # It accepts exactly what the original accepts.
     assert inspect.signature(wrapped) == inspect.signature(fake.fn)
@@ -176,7 +176,7 @@ def test_mha_untouched_under_auto_fixed_under_always(
     version: str, layout: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fake = FakeTE(version)
-    wrapped = make_wrapper(fake.fn)
+    wrapped = wrapper_for(fake.fn)
     arguments = call_arguments(version, RAGGED, heads_q=2, heads_kv=2, layout=layout)
     out = wrapped(**arguments)
     _check_untouched(fake, out)
@@ -196,7 +196,7 @@ def test_policy_off_is_a_pure_pass_through(
 ) -> None:
     monkeypatch.setenv("TE_GQA_FIX", value)
     fake = FakeTE(version)
-    wrapped = make_wrapper(fake.fn)
+    wrapped = wrapper_for(fake.fn)
     # Even metadata the post-pass would reject (int64 offsets) goes straight to TE.
     arguments = call_arguments(version, RAGGED, offsets_dtype=torch.int64)
     out = wrapped(**arguments)
@@ -209,7 +209,7 @@ def test_policy_off_is_a_pure_pass_through(
 @pytest.mark.parametrize("layout", ["bshd_bshd_bshd", "sbhd_sb2hd", "bs3hd"])
 def test_non_thd_layout_untouched(version: str, layout: str) -> None:
     fake = FakeTE(version)
-    wrapped = make_wrapper(fake.fn)
+    wrapped = wrapper_for(fake.fn)
     heads = (2, 2) if "3" in layout else (4, 2)
     arguments = call_arguments(version, RAGGED, layout=layout, heads_q=heads[0], heads_kv=heads[1])
     out = wrapped(**arguments)
@@ -220,7 +220,7 @@ def test_non_thd_layout_untouched(version: str, layout: str) -> None:
 def test_dqkv_layout_decides_on_te_2_20() -> None:
     # THD inputs, 4-D gradients requested: the gradients' layout is what matters.
     fake = FakeTE("2.20")
-    wrapped = make_wrapper(fake.fn)
+    wrapped = wrapper_for(fake.fn)
     arguments = call_arguments("2.20", RAGGED)
     arguments["dqkv_layout"] = "bshd_bshd_bshd"
     out = wrapped(**arguments)
@@ -236,7 +236,7 @@ def test_dqkv_layout_decides_on_te_2_20() -> None:
 def test_thd_q_with_padded_kv_layout_untouched(version: str) -> None:
     # thd_bshd_bshd: dK/dV are not THD, nothing to do (dQ of such calls is not damaged).
     fake = FakeTE(version)
-    wrapped = make_wrapper(fake.fn)
+    wrapped = wrapper_for(fake.fn)
     arguments = call_arguments(version, RAGGED, layout="thd_bshd_bshd")
     arguments["k"] = arguments["v"] = torch.zeros(2, 5, 2, 3)
     out = wrapped(**arguments)
@@ -248,7 +248,7 @@ def test_unknown_layout_passed_through_and_logged_once(
     version: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     fake = FakeTE(version)
-    wrapped = make_wrapper(fake.fn)
+    wrapped = wrapper_for(fake.fn)
     arguments = call_arguments(version, RAGGED, layout="thd_thd_thd")
     layout_arg = "dqkv_layout" if version == "2.20" else "qkv_layout"
     arguments[layout_arg] = "thd_future_layout"
@@ -272,7 +272,7 @@ def test_unbindable_signature_passed_through_and_logged_once(
         calls.append((args, kwargs))
         return ["sentinel"]
 
-    wrapped = make_wrapper(opaque)
+    wrapped = wrapper_for(opaque)
     with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
         first = wrapped(1, 2, x=3)
         second = wrapped(4)
@@ -285,7 +285,7 @@ def test_unbindable_signature_passed_through_and_logged_once(
 @pytest.mark.parametrize("with_shape", [True, False], ids=["Float8Tensor", "Float8TensorStorage"])
 def test_fp8_outputs_raw_bytes_zeroed(version: str, with_shape: bool) -> None:
     fake = FakeTE(version)
-    wrapped = make_wrapper(fake.fn)
+    wrapped = wrapper_for(fake.fn)
     arguments = call_arguments(
         version, RAGGED, dqkv_quantizer=FakeQuantizer(columnwise=False, with_shape=with_shape)
     )
@@ -307,7 +307,7 @@ def test_fp8_with_live_transpose_passes_through_with_one_warning(
     version: str, with_shape: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     fake = FakeTE(version)
-    wrapped = make_wrapper(fake.fn)
+    wrapped = wrapper_for(fake.fn)
     arguments = call_arguments(
         version, RAGGED, dqkv_quantizer=FakeQuantizer(columnwise=True, with_shape=with_shape)
     )
@@ -323,7 +323,7 @@ def test_fp8_with_live_transpose_passes_through_with_one_warning(
 def test_wrapper_zeroes_in_place_without_copying_outputs() -> None:
     # The post-pass writes into TE's buffers (a copy would be lost on the caller's side).
     fake = FakeTE("2.20")
-    wrapped = make_wrapper(fake.fn)
+    wrapped = wrapper_for(fake.fn)
     out = wrapped(**call_arguments("2.20", RAGGED, layout="thd_t2hd"))
     buf, _ = fake.backend.outputs["dkv"]
     assert out[1]._base is buf and out[2]._base is buf
@@ -336,7 +336,7 @@ def test_binding_check_fails_without_the_post_pass(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(postpass, "zero_rows_", lambda *a, **k: None)
     fake = FakeTE("2.20")
-    out = make_wrapper(fake.fn)(**call_arguments("2.20", RAGGED))
+    out = wrapper_for(fake.fn)(**call_arguments("2.20", RAGGED))
     with pytest.raises(AssertionError, match="must be 0"):
         _check_fixed(fake, out, "padding_causal", (-1, -1), None)
 

@@ -21,6 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fakes import te_package
 from te_gqa_fix import affected, cudnn, doctor, stack
 from te_gqa_fix.cli import main
 from te_gqa_fix.plan import PlanInput, build_plan
@@ -535,137 +536,27 @@ def test_doctor_without_gpu_or_te_says_what_it_could_not_check(tmp_path: Path) -
     assert "could not check:" in text.stdout and "status: cannot_check (exit 3)" in text.stdout
 
 
-# A fake TE whose fused attention runs on CPU: forward returns zeros, backward the exact
-# gradients (fp32, top-left causal, GQA), plus stale values in the dK/dV rows of
-# sequences without queries ("affected"), or also wrong live rows ("broken"), or none
-# ("healthy"). FAKE_TE_SIG picks TE 2.20's or TE 2.8's keyword set.
-_FAKE_FUSED_ATTN = """
-import os
-import torch
-
-MODE = os.environ.get("FAKE_TE_MODE", "affected")
-SIG = os.environ.get("FAKE_TE_SIG", "2.20")
-FusedAttnBackend = {"No_Backend": -1, "F16_arbitrary_seqlen": 1}
-
-
-def _fwd(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v,
-         fake_dtype, fused_attention_backend, attn_bias=None, cu_seqlens_q_padded=None,
-         cu_seqlens_kv_padded=None, attn_scale=None, dropout=0.0, fast_zero_fill=True,
-         qkv_layout="sbh3d", attn_bias_type="no_bias", attn_mask_type="padding",
-         softmax_type="vanilla", window_size=(-1, -1), rng_gen=None, **extra):
-    assert qkv_layout == "thd_thd_thd" and attn_mask_type == "padding_causal"
-    assert set(extra) <= {"o_format", "bottom_right_diagonal"}, extra
-    return torch.zeros_like(q), [torch.zeros(1)]
-
-
-def _grads(q, k, v, d_o, cu_q, cu_kv, pad_q, pad_kv, scale):
-    with torch.enable_grad():  # the fake uses autograd; a real backward runs without it
-        return _grads_impl(q, k, v, d_o, cu_q, cu_kv, pad_q, pad_kv, scale)
-
-
-def _grads_impl(q, k, v, d_o, cu_q, cu_kv, pad_q, pad_kv, scale):
-    q32, k32, v32, do32 = (t.detach().float() for t in (q, k, v, d_o))
-    dq, dk, dv = torch.zeros_like(q32), torch.zeros_like(k32), torch.zeros_like(v32)
-    group = q.shape[1] // k.shape[1]
-    cu_q, cu_kv, pad_q, pad_kv = (t.tolist() for t in (cu_q, cu_kv, pad_q, pad_kv))
-    for b in range(len(cu_q) - 1):
-        lq, lk = cu_q[b + 1] - cu_q[b], cu_kv[b + 1] - cu_kv[b]
-        if lq == 0 or lk == 0:
-            continue
-        sq, sk = pad_q[b], pad_kv[b]
-        qq = q32[sq:sq + lq].clone().requires_grad_(True)
-        kk = k32[sk:sk + lk].clone().requires_grad_(True)
-        vv = v32[sk:sk + lk].clone().requires_grad_(True)
-        s = torch.einsum("ihd,jhd->hij", qq, kk.repeat_interleave(group, 1)) * scale
-        allowed = torch.ones(lq, lk, dtype=torch.bool).tril()
-        p = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1)
-        torch.einsum("hij,jhd->ihd", p, vv.repeat_interleave(group, 1)).backward(
-            do32[sq:sq + lq])
-        dq[sq:sq + lq], dk[sk:sk + lk], dv[sk:sk + lk] = qq.grad, kk.grad, vv.grad
-        if MODE == "broken":
-            dk[sk:sk + lk] += 1.0
-    if MODE in ("affected", "broken"):
-        for b in range(len(cu_q) - 1):
-            if cu_q[b + 1] == cu_q[b]:
-                dk[pad_kv[b]:pad_kv[b + 1]] = 1000.0 * group
-                dv[pad_kv[b]:pad_kv[b + 1]] = 1000.0 * group
-    return [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)]
-
-
-def _bwd(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o,
-         fake_dtype, aux_ctx_tensors, fused_attention_backend, cu_seqlens_q_padded=None,
-         cu_seqlens_kv_padded=None, attn_scale=None, dropout=0.0, fast_zero_fill=True,
-         qkv_layout="sbh3d", attn_bias_type="no_bias", attn_mask_type="padding",
-         softmax_type="vanilla", window_size=(-1, -1), deterministic=False, **extra):
-    if SIG == "2.20":  # all optional in TE 2.20
-        assert set(extra) <= {"o_format", "do_format", "dqkv_layout", "bottom_right_diagonal"}
-        assert extra.get("dqkv_layout") == "thd_thd_thd", extra
-    else:  # TE 2.8 requires dqkv_dtype
-        assert set(extra) == {"dqkv_dtype"} and extra["dqkv_dtype"] == "kFloat16", extra
-    return _grads(q, k, v, d_o, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
-                  cu_seqlens_kv_padded, attn_scale) + [None]
-
-
-# Real signatures have no **extra: give the fakes explicit keyword-only parameters so
-# that name-bound callers see exactly the set this TE version has.
-import inspect as _inspect
-
-
-def _with_params(fn, names):
-    sig = _inspect.signature(fn)
-    params = [p for p in sig.parameters.values() if p.kind != p.VAR_KEYWORD]
-    params += [_inspect.Parameter(n, _inspect.Parameter.KEYWORD_ONLY, default=None)
-               for n in names]
-
-    def f(*args, **kwargs):
-        return fn(*args, **kwargs)
-
-    f.__signature__ = sig.replace(parameters=params)
-    f.__name__ = fn.__name__
-    return f
-
-
-if SIG == "2.20":
-    fused_attn_fwd = _with_params(_fwd, ["o_format", "bottom_right_diagonal"])
-    fused_attn_bwd = _with_params(
-        _bwd, ["o_format", "do_format", "dqkv_layout", "bottom_right_diagonal"])
-else:
-    fused_attn_fwd = _with_params(_fwd, [])
-    fused_attn_bwd = _with_params(_bwd, ["dqkv_dtype"])
-"""
-
-
-def write_fake_cpu_te(root: Path) -> Path:
-    files = {
-        "transformer_engine/__init__.py": '__version__ = "2.20.2"\n',
-        "transformer_engine/pytorch/__init__.py": "from . import constants, cpp_extensions, utils\n",
-        "transformer_engine/pytorch/utils.py": "def get_cudnn_version():\n    return (9, 14, 0)\n",
-        "transformer_engine/pytorch/constants.py": (
-            "import torch\nTE_DType = {torch.float16: 'kFloat16', torch.bfloat16: 'kBFloat16'}\n"
-        ),
-        "transformer_engine/pytorch/cpp_extensions/__init__.py": "from .fused_attn import *\n",
-        "transformer_engine/pytorch/cpp_extensions/fused_attn.py": _FAKE_FUSED_ATTN,
-    }
-    for rel, text in files.items():
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return root
-
-
 _LIVE = (
     "import json; from te_gqa_fix.doctor import live_check; "
     "print('LIVE' + json.dumps(live_check(device='cpu', poison_numel=1024)))"
 )
 
 
+def write_fake_cpu_te(root: Path, bug: str = "affected", sig: str = "2.20") -> Path:
+    """The fake TE whose fused attention runs on CPU: forward returns zeros, backward the
+    exact gradients (the fp32 reference), plus stale values in the dK/dV rows no query
+    reaches (``affected``), or also wrong live rows (``broken``), or none (``healthy``);
+    ``sig`` picks TE 2.20's or TE 2.8's signature."""
+    return te_package.write_fake_te(
+        root, signature=sig, kernel="reference", bug=bug, consumers=False
+    )
+
+
 def _live(tmp_path: Path, mode: str, sig: str) -> Dict[str, Any]:
-    fake = write_fake_cpu_te(tmp_path / "fake_cpu_te")
+    fake = write_fake_cpu_te(tmp_path / "fake_cpu_te", mode, sig)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TE_GQA_FIX")}
     env.update(
-        PYTHONPATH=os.pathsep.join([str(fake), str(SRC), env.get("PYTHONPATH", "")]),
-        FAKE_TE_MODE=mode,
-        FAKE_TE_SIG=sig,
+        PYTHONPATH=os.pathsep.join([*te_package.pythonpath(fake, SRC), env.get("PYTHONPATH", "")]),
         CUDA_VISIBLE_DEVICES="",
     )
     proc = subprocess.run(
@@ -705,7 +596,7 @@ def test_live_check_reports_damage_the_fix_cannot_repair(tmp_path: Path) -> None
 
 def test_doctor_with_an_importable_te_but_no_gpu(tmp_path: Path) -> None:
     fake = write_fake_cpu_te(tmp_path / "fake_cpu_te")
-    proc = _run_module(["doctor", "--json"], [str(fake)])
+    proc = _run_module(["doctor", "--json"], te_package.pythonpath(fake))
     assert proc.returncode == doctor.EXIT_CANNOT_CHECK, proc.stderr
     report = json.loads(proc.stdout)
     te = report["transformer_engine"]

@@ -30,8 +30,10 @@ from fakes.oracle import (
     is_ambiguous,
     make_ragged,
 )
-from te_gqa_fix import KNOWN_MASK_TYPES, dead_row_masks, key_interval, key_span, zero_dead_rows
 from te_gqa_fix import postpass as postpass_module
+from te_gqa_fix import zero_dead_rows
+from te_gqa_fix.masks import KNOWN_MASK_TYPES, key_interval, key_span
+from te_gqa_fix.postpass import dead_row_masks
 
 UNKNOWN_MASKS = ("arbitrary", "padding_bottom_right_typo", None)
 MASKS = (*KNOWN_MASK_TYPES, *UNKNOWN_MASKS)

@@ -230,7 +230,7 @@ def test_install_without_symbol_raises_clear_error(
     fake_te: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     broken = tmp_path / "broken"
-    te_package.write_fake_te(broken, with_symbol=False)
+    te_package.write_fake_te(broken, signature=None)
     monkeypatch.syspath_prepend(str(broken))
     importlib.invalidate_caches()
     with pytest.raises(ImportError, match="has no attribute 'fused_attn_bwd'"):
@@ -264,3 +264,64 @@ def test_patch_check_fails_when_a_consumer_is_missed(
     install()
     with pytest.raises(AssertionError, match="patch did not take"):
         mods["backends"].backward(_arguments())
+
+
+ROOT_API = {
+    "__version__",
+    "call_counts",
+    "fused_attn_bwd",
+    "get_te_version",
+    "install",
+    "is_installed",
+    "patched",
+    "reset_call_counts",
+    "uninstall",
+    "use_fixed_cudnn",
+    "zero_dead_rows",
+}
+
+
+def test_root_exports_only_the_user_api() -> None:
+    """The root is what users call; helpers live (public) in their submodules."""
+    assert set(te_gqa_fix.__all__) == ROOT_API
+    for name in ROOT_API - {"__version__"}:
+        assert callable(getattr(te_gqa_fix, name)), name
+    for name, module in (
+        ("key_interval", "masks"),
+        ("KNOWN_MASK_TYPES", "masks"),
+        ("dead_row_masks", "postpass"),
+        ("get_policy", "policy"),
+        ("wrapper_for", "wrapper"),
+        ("is_te_min_version", "te_compat"),
+    ):
+        assert name not in te_gqa_fix.__all__
+        assert hasattr(importlib.import_module(f"te_gqa_fix.{module}"), name), name
+    with pytest.raises(AttributeError):
+        te_gqa_fix.make_wrapper  # noqa: B018  - the uncached constructor is private now
+
+
+def test_package_has_no_import_cycle() -> None:
+    """No module of the package imports one that imports it back (at any depth, counting
+    imports inside functions too)."""
+    import ast
+
+    pkg = Path(te_gqa_fix.__file__).parent
+    mods = {p.stem for p in pkg.glob("*.py")} - {"__init__", "__main__"}
+    edges: Dict[str, set] = {}
+    for path in pkg.glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                deps |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("te_gqa_fix."):
+                deps.add(node.module.split(".")[1])
+        edges[path.stem] = (deps & mods) - {path.stem}
+
+    def reaches(start: str, goal: str, seen: set) -> bool:
+        for nxt in edges.get(start, ()):
+            if nxt == goal or (nxt not in seen and reaches(nxt, goal, seen | {nxt})):
+                return True
+        return False
+
+    cycles = sorted(m for m in mods if reaches(m, m, {m}))
+    assert cycles == [], f"modules on an import cycle: {cycles}"

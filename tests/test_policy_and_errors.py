@@ -14,9 +14,12 @@ import torch
 import te_gqa_fix
 from fakes.oracle import make_ragged
 from fakes.te_outputs import FakeTE, call_arguments
-from te_gqa_fix import dead_row_masks, get_policy, make_wrapper, zero_dead_rows
 from te_gqa_fix import postpass as postpass_module
+from te_gqa_fix import te_compat, zero_dead_rows
 from te_gqa_fix import wrapper as wrapper_module
+from te_gqa_fix.policy import get_policy
+from te_gqa_fix.postpass import dead_row_masks
+from te_gqa_fix.wrapper import wrapper_for
 
 I32 = torch.int32
 RAGGED = make_ragged([(2, 3), (0, 2), (3, 1)], gaps_kv=[1, 0, 1], lead_kv=1, tail_kv=1)
@@ -100,7 +103,7 @@ def test_unknown_policy_falls_back_to_auto_and_warns_once(
 
 def test_policy_is_read_on_every_call(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakeTE("2.20")
-    wrapped = make_wrapper(fake.fn)
+    wrapped = wrapper_for(fake.fn)
     arguments = call_arguments("2.20", RAGGED)
     for value, fixed in (("off", 0), ("auto", 1), ("off", 1), ("always", 2)):
         monkeypatch.setenv("TE_GQA_FIX", value)
@@ -201,7 +204,7 @@ def test_dk_dv_row_mismatch() -> None:
 
 def test_heads_not_dividing_through_wrapper() -> None:
     fake = FakeTE("2.20")
-    wrapped = make_wrapper(fake.fn)
+    wrapped = wrapper_for(fake.fn)
     arguments = call_arguments("2.20", RAGGED, heads_q=3, heads_kv=2)
     with pytest.raises(
         ValueError,
@@ -213,7 +216,7 @@ def test_heads_not_dividing_through_wrapper() -> None:
 
 def test_wrapper_names_te_inputs_in_messages() -> None:
     fake = FakeTE("2.8")
-    wrapped = make_wrapper(fake.fn)
+    wrapped = wrapper_for(fake.fn)
     arguments = call_arguments("2.8", RAGGED, offsets_dtype=torch.int64)
     with pytest.raises(ValueError, match=r"^cu_seqlens_q: expected dtype torch\.int32"):
         wrapped(**arguments)
@@ -301,7 +304,7 @@ def test_post_pass_and_wrapper_never_sync(monkeypatch: pytest.MonkeyPatch) -> No
     dk = torch.randn(10, 2, 2)
     args = _good(dk=dk, dv=torch.randn(10, 2, 2), dq=torch.randn(5, 4, 2))
     fake = FakeTE("2.20")
-    wrapped = make_wrapper(fake.fn)
+    wrapped = wrapper_for(fake.fn)
     arguments = call_arguments(
         "2.20", RAGGED, attn_mask_type="padding_causal_bottom_right", window_size=(1, 0)
     )
@@ -371,7 +374,7 @@ def test_install_without_te_raises_import_error(no_te: None) -> None:
 
 def test_version_helpers_without_te(no_te: None) -> None:
     assert te_gqa_fix.get_te_version() is None
-    assert te_gqa_fix.is_te_min_version("2.8") is False
+    assert te_compat.is_te_min_version("2.8") is False
 
 
 def test_post_pass_works_without_te(no_te: None) -> None:

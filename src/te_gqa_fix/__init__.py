@@ -23,43 +23,29 @@ from typing import TYPE_CHECKING, Any, Dict
 
 __version__ = "0.1.0"
 
-# public name -> submodule that defines it
+# public name -> submodule that defines it. Everything else is public in its submodule
+# (``te_gqa_fix.masks.key_interval``, ``te_gqa_fix.postpass.dead_row_masks``,
+# ``te_gqa_fix.wrapper.wrapper_for``, ...), not here.
 _LAZY: Dict[str, str] = {
-    "KNOWN_MASK_TYPES": "masks",
-    "key_interval": "masks",
-    "key_span": "masks",
     "install": "patch",
     "is_installed": "patch",
     "patched": "patch",
     "uninstall": "patch",
-    "get_policy": "policy",
-    "DeadRows": "postpass",
-    "dead_row_masks": "postpass",
     "zero_dead_rows": "postpass",
     "get_te_version": "te_compat",
-    "is_te_min_version": "te_compat",
     "call_counts": "wrapper",
     "fused_attn_bwd": "wrapper",
-    "make_wrapper": "wrapper",
     "reset_call_counts": "wrapper",
     "use_fixed_cudnn": "cudnn",
 }
 
 __all__ = [
-    "KNOWN_MASK_TYPES",
-    "DeadRows",
     "__version__",
     "call_counts",
-    "dead_row_masks",
     "fused_attn_bwd",
-    "get_policy",
     "get_te_version",
     "install",
     "is_installed",
-    "is_te_min_version",
-    "key_interval",
-    "key_span",
-    "make_wrapper",
     "patched",
     "reset_call_counts",
     "uninstall",
@@ -69,12 +55,10 @@ __all__ = [
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .cudnn import use_fixed_cudnn
-    from .masks import KNOWN_MASK_TYPES, key_interval, key_span
     from .patch import install, is_installed, patched, uninstall
-    from .policy import get_policy
-    from .postpass import DeadRows, dead_row_masks, zero_dead_rows
-    from .te_compat import get_te_version, is_te_min_version
-    from .wrapper import call_counts, fused_attn_bwd, make_wrapper, reset_call_counts
+    from .postpass import zero_dead_rows
+    from .te_compat import get_te_version
+    from .wrapper import call_counts, fused_attn_bwd, reset_call_counts
 
 
 def __getattr__(name: str) -> Any:

@@ -17,8 +17,9 @@ from types import ModuleType
 from typing import Callable, Iterator, List, Optional, Tuple
 
 from ._logging import log_once, logger
+from ._marker import is_wrapper
 from .te_compat import SYMBOL, find_original, import_fused_attn_module
-from .wrapper import is_wrapper, wrapper_for
+from .wrapper import wrapper_for
 
 __all__ = ["install", "is_installed", "patched", "uninstall"]
 

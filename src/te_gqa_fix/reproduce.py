@@ -29,6 +29,7 @@ __all__ = [
     "seed_batch",
     "te_backward",
     "te_forward",
+    "tolerance",
 ]
 
 
@@ -72,6 +73,34 @@ class ThdBatch:
     @property
     def dim_v(self) -> int:
         return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @classmethod
+    def of_tensors(
+        cls,
+        tensors: Dict[str, torch.Tensor],
+        cu_q: Sequence[int],
+        cu_kv: Sequence[int],
+        pad_q: Sequence[int],
+        pad_kv: Sequence[int],
+        **fields: Any,
+    ) -> ThdBatch:
+        """The batch of existing THD tensors ``q``, ``k``, ``v``, ``d_o``: rows, heads, head
+        dim and dtype are read from them; ``fields`` sets ``mask``, ``window``, ..."""
+        q, k = tensors["q"], tensors["k"]
+        return cls(
+            cu_q=list(cu_q),
+            cu_kv=list(cu_kv),
+            pad_q=list(pad_q),
+            pad_kv=list(pad_kv),
+            rows_q=q.shape[0],
+            rows_kv=k.shape[0],
+            heads_q=q.shape[1],
+            heads_kv=k.shape[1],
+            head_dim=q.shape[2],
+            dtype=q.dtype,
+            tensors=dict(tensors),
+            **fields,
+        )
 
     @property
     def lq(self) -> List[int]:
@@ -374,6 +403,17 @@ def references(batch: ThdBatch, device: str = "cuda") -> Dict[str, Dict[str, tor
     }
 
 
+def ulps(ref_max: float, dtype: torch.dtype) -> float:
+    """A few units in the last place of the reference's magnitude, in ``dtype``."""
+    return 4 * torch.finfo(dtype).eps * max(ref_max, 1e-3)
+
+
+def tolerance(err_same: float, ref_max: float, dtype: torch.dtype, factor: float = 2.0) -> float:
+    """The bound for an error against the fp32 reference: ``factor`` times the error of
+    the same computation in ``dtype`` (``err_same``), plus :func:`ulps`."""
+    return factor * err_same + ulps(ref_max, dtype)
+
+
 def compare(
     batch: ThdBatch, out: Sequence[torch.Tensor], refs, factor: float = 2.0
 ) -> Dict[str, float]:
@@ -390,7 +430,7 @@ def compare(
         err = (mine - ref).abs().max().item() if ref.numel() else 0.0
         err_pt = (same - ref).abs().max().item() if ref.numel() else 0.0
         ref_max = ref.abs().max().item() if ref.numel() else 0.0
-        bound = factor * err_pt + 4 * torch.finfo(batch.dtype).eps * max(ref_max, 1e-3)
+        bound = tolerance(err_pt, ref_max, batch.dtype, factor)
         dead_rows = got[dead.q if name == "dq" else dead.kv]
         res[f"{name}_err"] = err
         res[f"{name}_bound"] = bound

@@ -12,6 +12,8 @@ from typing import Callable, Optional
 
 from packaging.version import Version
 
+from ._marker import unwrap
+
 FUSED_ATTN_MODULE = "transformer_engine.pytorch.cpp_extensions.fused_attn"
 SYMBOL = "fused_attn_bwd"
 
@@ -70,6 +72,4 @@ def find_original(module: Optional[ModuleType] = None) -> Callable:
             f"{module.__name__} has no attribute {SYMBOL!r}: this Transformer Engine "
             f"({get_te_version()}) is not one te-gqa-fix supports (2.8 to 2.20)"
         )
-    from .wrapper import unwrap
-
     return unwrap(fn)

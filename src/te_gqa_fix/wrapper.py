@@ -17,6 +17,7 @@ from types import ModuleType
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 from ._logging import log_once, logger
+from ._marker import MARKER, is_wrapper, unwrap
 from .guard import check_head_dims, cudnn_fixed
 from .policy import get_policy
 from .postpass import zero_dead_rows
@@ -27,13 +28,12 @@ __all__ = [
     "call_counts",
     "fused_attn_bwd",
     "is_wrapper",
-    "make_wrapper",
     "parse_layout",
     "reset_call_counts",
     "unwrap",
+    "wrapper_for",
 ]
 
-MARKER = "__te_gqa_fix_wrapper__"
 _MISSING = object()
 
 _counts: Counter = Counter()
@@ -48,17 +48,6 @@ def call_counts() -> Dict[str, int]:
 
 def reset_call_counts() -> None:
     _counts.clear()
-
-
-def is_wrapper(fn: object) -> bool:
-    return bool(getattr(fn, MARKER, False))
-
-
-def unwrap(fn: Callable) -> Callable:
-    """Peel off our wrappers (never anyone else's)."""
-    while is_wrapper(fn):
-        fn = fn.__wrapped__  # type: ignore[attr-defined]
-    return fn
 
 
 _THD_LAYOUTS: Dict[str, Tuple[bool, bool]] = {
@@ -218,8 +207,11 @@ def _apply(plan: _Plan, out: object) -> None:
     _counts["fixed"] += 1
 
 
-def make_wrapper(original: Callable) -> Callable:
+def _new_wrapper(original: Callable) -> Callable:
     """Wrap TE's ``fused_attn_bwd``: same call, same return object, dead rows zeroed.
+
+    Uncached: callers go through :func:`wrapper_for`, so that patch sites and the drop-in
+    share one wrapper per original.
 
     Idempotent: wrapping a wrapper returns it unchanged. ``__wrapped__`` is the original.
     """
@@ -263,7 +255,7 @@ def wrapper_for(original: Callable) -> Callable:
     cached = _wrappers.get(id(original))
     if cached is not None and cached.__wrapped__ is original:  # type: ignore[attr-defined]
         return cached
-    wrapper = make_wrapper(original)
+    wrapper = _new_wrapper(original)
     _wrappers[id(original)] = wrapper
     logger.debug(
         "te_gqa_fix: wrapped %s.%s",

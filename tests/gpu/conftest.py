@@ -2,20 +2,22 @@
 
 Tests here need a CUDA GPU and TE; they run on the GPU machine (see docs/validation.md
 for the command). ``TE_GQA_FIX_RECORD=path.jsonl`` makes them append one JSON record per
-case (and one describing the stack) for ``tools/validation_report.py``.
+case (and one describing the stack: ``te_gqa_fix.stack.stack_summary``) for
+``tests/gpu/report.py``.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import re
-import subprocess
 from typing import Any, Dict, Optional, Tuple
 
 import pytest
 import torch
+
+from te_gqa_fix.affected import verdict
+from te_gqa_fix.stack import stack_summary, te_cudnn_version
 
 # The cuDNN backend must be the one under test: no flash-attn, no unfused fallback.
 os.environ.setdefault("NVTE_FLASH_ATTN", "0")
@@ -41,70 +43,24 @@ def te():
     return te_pt
 
 
-def cudnn_loaded_by_te() -> Tuple[int, int, int]:
-    from transformer_engine.pytorch import get_cudnn_version
-
-    return tuple(get_cudnn_version())  # type: ignore[return-value]
+@pytest.fixture(scope="session")
+def capability(te) -> Tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability())  # type: ignore[return-value]
 
 
 @pytest.fixture(scope="session")
 def cudnn(te) -> Tuple[int, int, int]:
-    return cudnn_loaded_by_te()
+    """The cuDNN Transformer Engine runs (not torch's)."""
+    version = te_cudnn_version()
+    if version is None:
+        pytest.fail("Transformer Engine did not report its cuDNN version")
+    return version
 
 
 @pytest.fixture(scope="session")
-def affected(te, cudnn) -> bool:
-    """Known facts: Hopper with cuDNN older than 9.18 is affected (TE #2186)."""
-    return torch.cuda.get_device_capability() == (9, 0) and tuple(cudnn) < (9, 18, 0)
-
-
-def _mapped_cudnn() -> list:
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "libcudnn" in line}
-    except OSError:
-        return []
-    return sorted(os.path.realpath(p) for p in paths)
-
-
-def _torch_cudnn() -> str:
-    # With the system cuDNN loaded by TE first, torch's own query can raise.
-    try:
-        return str(torch.backends.cudnn.version())
-    except Exception as exc:
-        return f"n/a ({type(exc).__name__})"
-
-
-def stack_info() -> Dict[str, Any]:
-    import transformer_engine
-
-    try:
-        driver = (
-            subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                timeout=20,
-            )
-            .stdout.strip()
-            .splitlines()[0]
-        )
-    except Exception:
-        driver = "unknown"
-    return {
-        "kind": "stack",
-        "gpu": torch.cuda.get_device_name(),
-        "capability": ".".join(map(str, torch.cuda.get_device_capability())),
-        "driver": driver,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "te": getattr(transformer_engine, "__version__", "?"),
-        "cudnn_te": ".".join(map(str, cudnn_loaded_by_te())),
-        "cudnn_torch": _torch_cudnn(),
-        "cudnn_files": _mapped_cudnn(),
-        "gpu_kit_cudnn": os.environ.get("GPU_KIT_CUDNN", ""),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
+def affected(capability, cudnn) -> bool:
+    """The one rule (te_gqa_fix.affected): Hopper with cuDNN older than 9.18 (TE #2186)."""
+    return verdict(capability, cudnn).status == "affected"
 
 
 _RECORD = os.environ.get("TE_GQA_FIX_RECORD")
@@ -120,7 +76,7 @@ def _write(rec: Dict[str, Any]) -> None:
 def _record_stack():
     te_pt, _ = _te_or_reason()
     if te_pt is not None:
-        _write(stack_info())
+        _write({"kind": "stack", **stack_summary()})
     yield
 
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything the GPU machine has to show, in one command (2 GPUs for the CP part):
 # the validation run (doctor + gpu tests, both cuDNN builds), the two-rank context-parallel
-# check (both builds) and the examples. Results: $OUT/validation.tgz, $OUT/extra.tgz.
+# check (both builds) and the examples. Committed: $OUT/run.json (everything, one data file)
+# and $OUT/validation.md (the page made from it). Raw outputs, for debugging only:
+# $OUT/validation.tgz, $OUT/extra.tgz.
 set -uo pipefail
 out=${OUT:-/tmp/te-gqa-fix-out}
 extra=/tmp/te-gqa-fix-extra
@@ -32,5 +34,9 @@ for build in ${BUILDS:-system pip}; do
     echo "doctor ($build, text): exit $?"
   )
 done
+res=${RES:-/tmp/te-gqa-fix-validation}
+python3 tests/gpu/report.py collect "$res" --builds "$(echo ${BUILDS:-system pip} | tr ' ' ',')" \
+  --extra "$extra" --command "${COMMAND:-bash tests/gpu/run_all.sh}" -o "$out/run.json"
+python3 tests/gpu/report.py render "$out/run.json" >"$out/validation.md"
 tar czf "$out/extra.tgz" -C "$(dirname "$extra")" "$(basename "$extra")"
-echo "results in $out/validation.tgz and $out/extra.tgz"
+echo "data file $out/run.json, page $out/validation.md (raw outputs: $out/validation.tgz, $out/extra.tgz)"

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # GPU validation run (GPU machine, repository root, GPU kit staged; see docs/validation.md).
 # For each cuDNN build the kit offers (system 9.14 = affected, pip 9.19 = fixed upstream):
-# doctor, then the gpu-marked tests with per-case JSON records. Then the markdown report.
-# Writes the results folder ${RES:-/tmp/te-gqa-fix-validation} and packs it as
-# ${OUT:-that folder's parent}/validation.tgz (one file to bring back).
+# doctor, then the gpu-marked tests with per-case JSON records. Then the one data file the
+# page is made from ($OUT/run.json) and the page ($OUT/validation.md): those two are what
+# gets committed (docs/results/<run>/run.json, docs/validation.md). The raw outputs (logs,
+# junit XML) stay in ${RES:-/tmp/te-gqa-fix-validation}, packed as $OUT/validation.tgz for
+# debugging only.
 set -uo pipefail
 res=${RES:-/tmp/te-gqa-fix-validation}
 out=${OUT:-$(dirname "$res")}
@@ -24,8 +26,9 @@ for build in $builds; do
     tail -5 "$res/pytest-$build.log"
   )
 done
-python3 tests/gpu/report.py "$res" --builds "$(echo $builds | tr ' ' ',')" \
-  --command "bash tests/gpu/run_validation.sh" >"$res/validation.md"
-cp "$res/validation.md" "$out/validation.md"
+python3 tests/gpu/report.py collect "$res" --builds "$(echo $builds | tr ' ' ',')" \
+  ${EXTRA:+--extra "$EXTRA"} --command "${COMMAND:-bash tests/gpu/run_validation.sh}" \
+  -o "$out/run.json"
+python3 tests/gpu/report.py render "$out/run.json" >"$out/validation.md"
 tar czf "$out/validation.tgz" -C "$(dirname "$res")" "$(basename "$res")"
-echo "results in $out/validation.tgz"
+echo "data file $out/run.json, page $out/validation.md (raw outputs: $out/validation.tgz)"

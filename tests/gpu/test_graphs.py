@@ -22,6 +22,7 @@ from te_gqa_fix.reproduce import (
     te_backward,
     te_forward,
 )
+from te_gqa_fix.wrapper import unwrap, wrapper_for
 
 pytestmark = pytest.mark.gpu
 
@@ -135,7 +136,7 @@ def test_postpass_graph_replay_new_offsets(te, impl, record):
 
 def test_te_backward_with_wrapper_in_graph(te, cudnn, affected, record):
     """Capture TE's forward + the wrapped backward; replay with new offsets."""
-    original = te_gqa_fix.wrapper.unwrap(te.cpp_extensions.fused_attn.fused_attn_bwd)
+    original = unwrap(te.cpp_extensions.fused_attn.fused_attn_bwd)
     b0 = _batch(0)
     random_inputs(b0, seed=3)
     static = {k: v.clone() for k, v in b0.offsets("cuda").items()}
@@ -147,7 +148,7 @@ def test_te_backward_with_wrapper_in_graph(te, cudnn, affected, record):
         te_forward(batch)
         return te_backward(batch, fn=fn, cuda_graph=True)
 
-    for label, fn in (("unpatched", original), ("patched", te_gqa_fix.make_wrapper(original))):
+    for label, fn in (("unpatched", original), ("patched", wrapper_for(original))):
         b = _batch(0)
         b.tensors = b0.tensors
         s = torch.cuda.Stream()

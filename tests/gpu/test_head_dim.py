@@ -28,22 +28,22 @@ from te_gqa_fix.reproduce import (
     te_backward,
     te_forward,
 )
-from te_gqa_fix.wrapper import make_wrapper, unwrap
+from te_gqa_fix.wrapper import unwrap, wrapper_for
 
 pytestmark = pytest.mark.gpu
 
 SHAPES = [(192, 192), (256, 256), (192, 128)]
 
 
-def _status(cudnn, d_qk: int, d_v: int) -> str:
-    return affected.verdict(torch.cuda.get_device_capability(), cudnn, d_qk, d_v).status
+def _status(capability, cudnn, d_qk: int, d_v: int) -> str:
+    return affected.verdict(capability, cudnn, d_qk, d_v).status
 
 
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("dims", SHAPES, ids=[f"{a}-{b}" for a, b in SHAPES])
-def test_large_head_dim(te, cudnn, dims, heads, record, request):
+def test_large_head_dim(te, capability, cudnn, dims, heads, record, request):
     d_qk, d_v = dims
-    unrepairable = _status(cudnn, d_qk, d_v) == "unrepairable"
+    unrepairable = _status(capability, cudnn, d_qk, d_v) == "unrepairable"
     if unrepairable:
         request.applymarker(
             pytest.mark.xfail(
@@ -53,7 +53,7 @@ def test_large_head_dim(te, cudnn, dims, heads, record, request):
     batch = large_head_dim_batch(d_qk, heads, head_dim_v=d_v)
     random_inputs(batch, seed=d_qk + d_v)
     te_forward(batch)
-    wrapper = make_wrapper(unwrap(te.cpp_extensions.fused_attn.fused_attn_bwd))
+    wrapper = wrapper_for(unwrap(te.cpp_extensions.fused_attn.fused_attn_bwd))
     poison_allocator(1000.0)
     res = compare(batch, te_backward(batch, fn=wrapper), references(batch))
     record(
@@ -68,20 +68,20 @@ def test_large_head_dim(te, cudnn, dims, heads, record, request):
     assert exact(res), res
 
 
-def test_guard_warns_on_unrepairable_backward(te, cudnn, caplog, record):
+def test_guard_warns_on_unrepairable_backward(te, capability, cudnn, caplog, record):
     """d 256 GQA through the wrapper: a WARNING naming the configuration and the remedy
     exactly where the rule says unrepairable, and none on a fixed cuDNN."""
     guard.reset_guard()
     batch = large_head_dim_batch(256, (8, 2))
     random_inputs(batch, seed=7)
     te_forward(batch)
-    wrapper = make_wrapper(unwrap(te.cpp_extensions.fused_attn.fused_attn_bwd))
+    wrapper = wrapper_for(unwrap(te.cpp_extensions.fused_attn.fused_attn_bwd))
     with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
         te_backward(batch, fn=wrapper)
         te_backward(batch, fn=wrapper)
     torch.cuda.synchronize()
     hits = [r.getMessage() for r in caplog.records if "cannot repair" in r.getMessage()]
-    expected = _status(cudnn, 256, 256) == "unrepairable"
+    expected = _status(capability, cudnn, 256, 256) == "unrepairable"
     record(cudnn=".".join(map(str, cudnn)), guard_warned=len(hits), expected=expected,
            message=hits[0] if hits else None)  # fmt: skip
     assert len(hits) == (1 if expected else 0), hits

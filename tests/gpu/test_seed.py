@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import te_gqa_fix
+from te_gqa_fix.affected import cudnn_is_fixed
 from te_gqa_fix.reproduce import (
     compare,
     corrupted,
@@ -23,6 +24,7 @@ from te_gqa_fix.reproduce import (
     te_backward,
     te_forward,
 )
+from te_gqa_fix.wrapper import unwrap, wrapper_for
 
 pytestmark = pytest.mark.gpu
 
@@ -43,7 +45,7 @@ def _run(fn, second_call: bool, poison: bool):
 def test_seed_unpatched_shows_bug_where_affected(te, cudnn, affected, record):
     from transformer_engine.pytorch.cpp_extensions import fused_attn
 
-    original = te_gqa_fix.wrapper.unwrap(fused_attn.fused_attn_bwd)
+    original = unwrap(fused_attn.fused_attn_bwd)
     _run(original, second_call=False, poison=False)  # the report's first call
     batch, out = _run(original, second_call=True, poison=True)
     res = compare(batch, out, references(batch))
@@ -61,15 +63,13 @@ def test_seed_unpatched_shows_bug_where_affected(te, cudnn, affected, record):
         # pool rather than the poisoned 1 GiB block: what it holds is stale, not the
         # sentinel (8.95 on the H200). The sweep's larger shapes read sentinel x group.
         assert corrupted(res), "expected stale workspace in rows 0-3 on an affected stack"
-    elif tuple(cudnn) >= (9, 18, 0):
+    elif cudnn_is_fixed(cudnn):
         assert not corrupted(res), "cuDNN >= 9.18 should not show the bug"
 
 
 @pytest.mark.parametrize("second_call", [False, True])
 def test_seed_patched_is_exact(te, cudnn, second_call, record):
-    wrapper = te_gqa_fix.make_wrapper(
-        te_gqa_fix.wrapper.unwrap(te.cpp_extensions.fused_attn.fused_attn_bwd)
-    )
+    wrapper = wrapper_for(unwrap(te.cpp_extensions.fused_attn.fused_attn_bwd))
     _run(wrapper, second_call=False, poison=True)
     batch, out = _run(wrapper, second_call=second_call, poison=True)
     res = compare(batch, out, references(batch))

@@ -13,7 +13,6 @@ import itertools
 import pytest
 import torch
 
-import te_gqa_fix
 from te_gqa_fix.reproduce import (
     compare,
     corrupted,
@@ -25,6 +24,7 @@ from te_gqa_fix.reproduce import (
     te_backward,
     te_forward,
 )
+from te_gqa_fix.wrapper import unwrap, wrapper_for
 
 pytestmark = pytest.mark.gpu
 
@@ -76,8 +76,8 @@ def test_sweep(te, cudnn, affected, case, record):
     random_inputs(batch, seed=hash(_id(case)) % 2**31)
     te_forward(batch)
     refs = references(batch)
-    original = te_gqa_fix.wrapper.unwrap(te.cpp_extensions.fused_attn.fused_attn_bwd)
-    wrapper = te_gqa_fix.make_wrapper(original)
+    original = unwrap(te.cpp_extensions.fused_attn.fused_attn_bwd)
+    wrapper = wrapper_for(original)
 
     poison_allocator(1000.0)
     unpatched = compare(batch, te_backward(batch, fn=original), refs)

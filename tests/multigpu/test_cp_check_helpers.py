@@ -1,5 +1,5 @@
 """CPU tests of cp_check.py's pure parts: batch shapes, the DualChunkSwap cross-check, the
-fp32/bf16 references, and the pass/fail logic. No GPU, no TE: they run in CI, so the
+fp32/bf16 references (reproduce's, against SDPA), and cp_report.py's pass/fail logic. No GPU, no TE: they run in CI, so the
 multi-GPU script's bookkeeping is checked before it ever reaches the GPU machine."""
 
 from __future__ import annotations
@@ -28,6 +28,12 @@ def cc() -> ModuleType:
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture(scope="module")
+def cr(cc) -> ModuleType:
+    """cp_report.py, as cp_check.py imported it (its folder is on the path by then)."""
+    return sys.modules["cp_report"]
 
 
 def test_te2186_shape_is_the_issue_batch_at_cp2(cc):
@@ -145,7 +151,7 @@ def test_fp32_reference_matches_sdpa(cc, heads):
     q, dout = torch.randn(total, hq, d), torch.randn(total, hq, d)
     k, v = torch.randn(total, hkv, d), torch.randn(total, hkv, d)
     scale = d**-0.5
-    mine = cc.attention_ref(q, k, v, dout, pairs, scale, torch.float32, False)
+    mine = cc.reference_pair(cc.thd_batch(pairs, q, k, v, dout), torch.device("cpu"))["fp32"]
     oracle = _sdpa_reference(q, k, v, dout, pairs, scale)
     for name in ("out", "dq", "dk", "dv"):
         torch.testing.assert_close(mine[name].double(), oracle[name], atol=2e-5, rtol=2e-5)
@@ -163,13 +169,15 @@ def test_bf16_reference_error_and_bound_are_sane(cc):
     total = sum(p for _, p in pairs)
     q, dout = torch.randn(total, 8, 32), torch.randn(total, 8, 32)
     k, v = torch.randn(total, 2, 32), torch.randn(total, 2, 32)
-    ref = cc.attention_ref(q, k, v, dout, pairs, 32**-0.5, torch.float32, False)
-    low = cc.attention_ref(q, k, v, dout, pairs, 32**-0.5, torch.bfloat16, True)
+    batch = cc.thd_batch(pairs, *(x.to(torch.bfloat16) for x in (q, k, v, dout)))
+    refs = cc.reference_pair(batch, torch.device("cpu"))
+    ref, low = refs["fp32"], refs["low"]
     valid, _ = cc.valid_rows(pairs)
     rows = torch.tensor(valid)
     for name in ("out", "dq", "dk", "dv"):
         err = cc.max_abs(low[name], ref[name], rows)
-        atol = cc.ulp_atol(ref[name], rows, torch.bfloat16)
+        bound = cc.tolerance(err, cc.max_abs(ref[name], None, rows), torch.bfloat16)
+        atol = bound - 2 * err
         assert 0.0 < err < 0.5, (name, err)
         assert atol > 0.0
         # a corrupted tensor (the bug writes 1000 x group size) is far outside the bound
@@ -200,7 +208,7 @@ def _rec(comm, mode, status, **kw):
     return rec
 
 
-def test_check_results_logic(cc):
+def test_check_results_logic(cr):
     good = {
         "records": [
             _rec("p2p", "patched", "pass"),
@@ -210,25 +218,25 @@ def test_check_results_logic(cc):
             _rec("all_gather", "unpatched", "clean"),
         ]
     }
-    assert cc.check_results(good) == []
-    assert cc.check_results(good, mode="patched") == []
-    assert cc.check_results(good, mode="unpatched") == []
+    assert cr.check_results(good) == []
+    assert cr.check_results(good, mode="patched") == []
+    assert cr.check_results(good, mode="unpatched") == []
 
     failing = {"records": [*good["records"], _rec("all_gather", "patched", "fail", reasons=["dk"])]}
-    assert any("all_gather" in p for p in cc.check_results(failing, mode="patched"))
-    assert cc.check_results(failing, mode="unpatched") == []
+    assert any("all_gather" in p for p in cr.check_results(failing, mode="patched"))
+    assert cr.check_results(failing, mode="unpatched") == []
 
     p2p_skipped = {"records": [_rec("p2p", "patched", "unsupported")]}
-    assert cc.check_results(p2p_skipped, mode="patched")
+    assert cr.check_results(p2p_skipped, mode="patched")
 
     unpatched_error = {"records": [_rec("p2p", "unpatched", "error", reasons=["raised"])]}
-    assert cc.check_results(unpatched_error, mode="unpatched")
+    assert cr.check_results(unpatched_error, mode="unpatched")
 
-    assert cc.check_results({"records": []})
-    assert cc.check_results({"records": good["records"], "fatal": "boom"})
+    assert cr.check_results({"records": []})
+    assert cr.check_results({"records": good["records"], "fatal": "boom"})
 
 
-def test_results_are_strict_json_and_summarised(cc, tmp_path):
+def test_results_are_strict_json_and_summarised(cr, tmp_path):
     results = {
         "stack": {"cp_size": 2, "cudnn_te": "9.14.0"},
         "poison": True,
@@ -245,7 +253,7 @@ def test_results_are_strict_json_and_summarised(cc, tmp_path):
             )
         ],
     }
-    path, spath = cc.write_results(str(tmp_path), results)
+    path, spath = cr.write_results(str(tmp_path), results)
     loaded = json.loads(Path(path).read_text(), parse_constant=lambda c: pytest.fail(c))
     assert loaded["records"][0]["err_vs_fp32"]["dv"] == "nan"
     text = Path(spath).read_text()
@@ -255,10 +263,10 @@ def test_results_are_strict_json_and_summarised(cc, tmp_path):
 # ----------------------------------------------------------------------------- dry run
 # The whole harness (torchrun, process groups, TE's partition helper, all-gather and
 # un-partition, references, install/uninstall and call counts, JSON, exit status) on CPU
-# with gloo, against the fake TE in fake_te/ whose fused_attn_bwd writes the bug's sentinel.
+# with gloo, against the fake TE (fakes/te_package.py with context_parallel=True) whose
+# fused_attn_bwd writes the bug's sentinel.
 
 REPO = Path(__file__).resolve().parents[2]
-FAKE_TE = Path(__file__).with_name("fake_te")
 
 
 def _dry_run(tmp_path, *extra, env=None):
@@ -269,8 +277,17 @@ def _dry_run(tmp_path, *extra, env=None):
     environ = dict(os.environ)
     environ.pop("OUT", None)
     environ.pop("GPU_KIT_CUDNN", None)
+    from fakes import te_package
+
+    fake = te_package.write_fake_te(
+        tmp_path / "fake_te",
+        kernel="reference",
+        consumers=False,
+        context_parallel=True,
+        version="0.0.0+fake",
+    )
     environ["PYTHONPATH"] = os.pathsep.join(
-        [str(FAKE_TE), str(REPO / "src"), environ.get("PYTHONPATH", "")]
+        [*te_package.pythonpath(fake, REPO / "src"), environ.get("PYTHONPATH", "")]
     )
     environ.update(env or {})
     cmd = [
@@ -298,10 +315,10 @@ def _distributed_cpu_ok() -> bool:
 
 
 @pytest.mark.skipif(not _distributed_cpu_ok(), reason="needs torch.distributed with gloo")
-def test_dry_run_patched_passes_unpatched_shows_sentinel(cc, tmp_path):
+def test_dry_run_patched_passes_unpatched_shows_sentinel(cr, tmp_path):
     proc, results = _dry_run(tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert cc.check_results(results) == []
+    assert cr.check_results(results) == []
     recs = results["records"]
     assert results["stack"]["cp_size"] == 2
     assert {r["cp_comm_type"] for r in recs} == {"p2p", "all_gather", "a2a"}
@@ -323,10 +340,10 @@ def test_dry_run_patched_passes_unpatched_shows_sentinel(cc, tmp_path):
 
 
 @pytest.mark.skipif(not _distributed_cpu_ok(), reason="needs torch.distributed with gloo")
-def test_dry_run_fails_when_the_fix_is_off(cc, tmp_path):
+def test_dry_run_fails_when_the_fix_is_off(cr, tmp_path):
     """The harness can fail: with the post-pass disabled, patched runs keep the sentinel."""
     proc, results = _dry_run(tmp_path, "--comm=p2p", env={"TE_GQA_FIX": "off"})
     assert proc.returncode != 0
-    problems = cc.check_results(results, mode="patched")
+    problems = cr.check_results(results, mode="patched")
     assert any("padding rows == 0" in p for p in problems), problems
     assert any("fixed calls > 0" in p for p in problems), problems

@@ -1,5 +1,0 @@
-"""Fake ``transformer_engine.pytorch.attention``."""
-
-from .dot_product_attention import DotProductAttention
-
-__all__ = ["DotProductAttention"]
