@@ -357,9 +357,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.packed_seq_params import PackedSeqParams
-    from megatron.core.transformer.enums import AttnBackend
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core.utils import get_batch_on_this_cp_rank
