@@ -611,3 +611,63 @@ def test_module_entry_point_and_version() -> None:
     proc = _run_module(["plan", *SEED_ARGS, "--json"], [])
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["dkv"]["zeroed_rows"] == [0, 1, 2, 3, 7, 8, 9, 10, 11]
+
+
+# ----------------------------------------------------------------------------- cuDNN route
+
+
+def _builds(monkeypatch: pytest.MonkeyPatch, te_dir: str) -> None:
+    wheel = cudnn.CudnnBuild("/venv/site-packages/nvidia/cudnn/lib", (9, 19, 0), "wheel", "header")
+    system = cudnn.CudnnBuild("/usr/lib/x86_64-linux-gnu", (9, 14, 0), "system", "file name")
+    monkeypatch.setattr(cudnn, "find_builds", lambda: [wheel, system])
+    mapped = [cudnn.CudnnLibrary(f"{te_dir}/libcudnn.so.9", "libcudnn", None, "file name")]
+    monkeypatch.setattr(cudnn, "mapped_cudnn_libraries", lambda: mapped)
+
+
+def test_doctor_names_the_switch_to_an_unused_fixed_build(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    _fake_probes(monkeypatch, [9, 0], "9.14.0")
+    _builds(monkeypatch, "/usr/lib/x86_64-linux-gnu")
+    report = doctor.collect(live=False)
+    assert report["exit_code"] == doctor.EXIT_AFFECTED
+    assert report["cudnn_route"]["switch"].startswith("TE_GQA_FIX_CUDNN=auto")
+    assert "/venv/site-packages/nvidia/cudnn/lib" in report["cudnn_route"]["switch"]
+    assert report["advice"].startswith("set TE_GQA_FIX_CUDNN=auto")
+    runs = {b["version"]: b["te_runs"] for b in report["cudnn_builds"]}
+    assert runs == {"9.19.0": False, "9.14.0": True}
+    text = doctor.format_report(report)
+    assert "switch to fixed cuDNN TE_GQA_FIX_CUDNN=auto" in text
+    assert "9.19.0    /venv/site-packages/nvidia/cudnn/lib  (wheel, fixed)" in text
+    assert "runs on THD backward calls" in report["post_pass"]
+
+
+def test_doctor_on_the_route_is_healthy_even_for_head_dim_256(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An unrepairable stack (d 256 on 9.14) that the route fixed reports healthy, with
+    the d 256 live case requested, no switch, no mix warning, and the pass-through state."""
+    calls = _fake_probes(monkeypatch, [9, 0], "9.19.0")
+    _builds(monkeypatch, "/venv/site-packages/nvidia/cudnn/lib")
+    seen = {}
+
+    def fake_live(large_head_dim: bool = False) -> Dict[str, Any]:
+        seen["large"] = large_head_dim
+        return {"ran": True, "bug_observed": False, "fix_ok": True}
+
+    monkeypatch.setattr(doctor, "live_check", fake_live)
+    monkeypatch.setattr(
+        cudnn,
+        "route_state",
+        lambda: {"setting": "auto", "chosen": "/venv/site-packages/nvidia/cudnn/lib",
+                 "chosen_version": "9.19.0", "loaded": ["x"], "verified": True,
+                 "te_cudnn": "9.19.0", "error": None},
+    )  # fmt: skip
+    report = doctor.collect(live=True, head_dim=256)
+    assert calls == []  # the replaced live check ran instead
+    assert seen == {"large": True}
+    assert report["exit_code"] == doctor.EXIT_HEALTHY
+    assert report["cudnn_route"]["switch"] is None
+    assert report["warnings"] == [] and report["notes"]
+    assert report["post_pass"].startswith("pass-through")
+    assert "TE_GQA_FIX_CUDNN     auto: loaded cuDNN 9.19.0" in doctor.format_report(report)

@@ -382,13 +382,24 @@ def collect(live: bool = True, head_dim: Optional[int] = None) -> Dict[str, Any]
         report["cudnn_libraries"] = [asdict(lib) for lib in libs]
     te_cudnn = _vtuple(te.get("cudnn"))
     torch_cudnn = _vtuple(report["torch"].get("cudnn"))
-    report["warnings"] = cudnn_library_warnings(libs, te_cudnn, torch_cudnn)
+    route = cudnn.route_state()
+    if route.get("verified"):
+        # The route loaded the fixed build first on purpose; TE's own later load of the
+        # system file is mapped too but binds nothing: not a mix to warn about.
+        report["warnings"] = []
+        report["notes"] = [
+            f"{cudnn.ENV_CUDNN} loaded cuDNN {route['chosen_version']} first; TE's own load "
+            "of its system cuDNN is mapped too, but symbols bind to the first copy (TE reports "
+            f"{route['te_cudnn']})"
+        ]
+    else:
+        report["warnings"] = cudnn_library_warnings(libs, te_cudnn, torch_cudnn)
     builds = _section(_builds_section, libs, te_cudnn, torch_cudnn)
     if isinstance(builds, dict):
         unchecked.append(f"cuDNN builds on disk: {builds['error']}")
         builds = []
     report["cudnn_builds"] = builds
-    report["cudnn_route"] = {**cudnn.route_state(), "switch": _switch(builds, te_cudnn)}
+    report["cudnn_route"] = {**route, "switch": _switch(builds, te_cudnn)}
 
     report["fix"] = _section(_fix_info)
     capability = gpu.get("capability")
@@ -511,6 +522,10 @@ def format_report(report: Dict[str, Any]) -> str:
     if fix.get("autopatch_error"):
         row("autopatch error", fix["autopatch_error"])
 
+    notes = report.get("notes") or []
+    if notes:
+        lines += ["", "notes:"]
+        lines += [f"  - {n}" for n in notes]
     warnings = report.get("warnings") or []
     if warnings:
         lines += ["", "warnings:"]
