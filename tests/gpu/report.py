@@ -121,7 +121,9 @@ def render(data: Dict[str, Any]) -> str:
         "",
         "Two cuDNN builds on one machine: `system` is what TE loads by default there (9.14,",
         "affected), `pip` is the copy torch ships (9.19, fixed upstream); `GPU_KIT_CUDNN` picks one",
-        "(see the stack table for what TE actually loaded).",
+        "(see the stack table for what TE actually loaded). `route` is the `system` machine with",
+        "`TE_GQA_FIX_CUDNN=auto` acting through the installed start-up file (te-gqa-fix's wheel",
+        "installed there), which makes TE load the fixed wheel build itself.",
         "",
     ]
     recs = {b: data["builds"][b]["records"] for b in builds}
@@ -148,6 +150,7 @@ def render(data: Dict[str, Any]) -> str:
         "cudnn_te",
         "cudnn_torch",
         "cudnn_files",
+        "te_gqa_fix_cudnn",
     ]
     lines.append("| | " + " | ".join(builds) + " |")
     lines.append("|---|" + "---|" * len(builds))
@@ -300,13 +303,18 @@ def render(data: Dict[str, Any]) -> str:
             ],
         ),
         (
-            "Head dim 192/256 (not repairable by a post-pass on old cuDNN)",
+            "Head dims above 128 (192/256 not repairable by a post-pass on old cuDNN; "
+            "MLA q/k 192 with v 128; the guard's warning)",
             "test_head_dim.py",
             [
                 "build",
+                "test",
                 "heads",
                 "d",
+                "d_v",
+                "unrepairable",
                 "exact",
+                "guard_warned",
                 "dq_err",
                 "dq_bound",
                 "dk_err",

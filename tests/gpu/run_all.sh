@@ -5,16 +5,16 @@
 # and $OUT/validation.md (the page made from it). Raw outputs, for debugging only:
 # $OUT/validation.tgz, $OUT/extra.tgz.
 set -uo pipefail
+# shellcheck source=tests/gpu/builds.sh
+source tests/gpu/builds.sh
 out=${OUT:-/tmp/te-gqa-fix-out}
 extra=/tmp/te-gqa-fix-extra
 mkdir -p "$out" "$extra"
 bash tests/gpu/run_validation.sh
 nproc_cp=${CP_NPROC:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
-for build in ${BUILDS:-system pip}; do
+for build in ${BUILDS:-system pip route}; do
   (
-    export GPU_KIT_CUDNN=$build
-    # shellcheck disable=SC1091
-    source .gpu-kit/env.sh
+    use_build "$build"
     if [ "$nproc_cp" -ge 2 ]; then
       timeout "${CP_TIMEOUT:-200}" torchrun --standalone --nproc-per-node "$nproc_cp" \
         tests/multigpu/cp_check.py --out "$extra" >"$extra/cp-$build.log" 2>&1
@@ -35,7 +35,7 @@ for build in ${BUILDS:-system pip}; do
   )
 done
 res=${RES:-/tmp/te-gqa-fix-validation}
-python3 tests/gpu/report.py collect "$res" --builds "$(echo ${BUILDS:-system pip} | tr ' ' ',')" \
+python3 tests/gpu/report.py collect "$res" --builds "$(echo ${BUILDS:-system pip route} | tr ' ' ',')" \
   --extra "$extra" --command "${COMMAND:-bash tests/gpu/run_all.sh}" -o "$out/run.json"
 python3 tests/gpu/report.py render "$out/run.json" >"$out/validation.md"
 tar czf "$out/extra.tgz" -C "$(dirname "$extra")" "$(basename "$extra")"

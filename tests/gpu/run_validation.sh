@@ -7,15 +7,15 @@
 # junit XML) stay in ${RES:-/tmp/te-gqa-fix-validation}, packed as $OUT/validation.tgz for
 # debugging only.
 set -uo pipefail
+# shellcheck source=tests/gpu/builds.sh
+source tests/gpu/builds.sh
 res=${RES:-/tmp/te-gqa-fix-validation}
 out=${OUT:-$(dirname "$res")}
 mkdir -p "$res" "$out"
-builds=${BUILDS:-system pip}
+builds=${BUILDS:-system pip route}
 for build in $builds; do
   (
-    export GPU_KIT_CUDNN=$build
-    # shellcheck disable=SC1091
-    source .gpu-kit/env.sh
+    use_build "$build"
     timeout 120 python3 -m te_gqa_fix doctor --json >"$res/doctor-$build.json" 2>"$res/doctor-$build.log"
     echo "doctor ($build): exit $?"
     rm -f "$res/records-$build.jsonl"

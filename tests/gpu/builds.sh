@@ -1,0 +1,23 @@
+# Sourced by the GPU run scripts: the configurations a run covers, by name.
+#   system  TE loads the machine's cuDNN 9.14 (affected)      GPU_KIT_CUDNN=system
+#   pip     TE loads torch's cuDNN 9.19 via CUDNN_HOME/LD path GPU_KIT_CUDNN=pip
+#   route   the system machine with TE_GQA_FIX_CUDNN=auto through te-gqa-fix's installed
+#           start-up file (the wheel carried in .whl-mcore/ is installed once)
+use_build() {
+  unset TE_GQA_FIX_CUDNN
+  case "$1" in
+    route)
+      ensure_wheel
+      export GPU_KIT_CUDNN=system TE_GQA_FIX_CUDNN=auto
+      ;;
+    *) export GPU_KIT_CUDNN=$1 ;;
+  esac
+  # shellcheck disable=SC1091
+  source .gpu-kit/env.sh
+}
+
+ensure_wheel() {
+  python3 -c 'import te_gqa_fix.autopatch as a, sys; sys.exit(a.find_pth() is None)' 2>/dev/null && return 0
+  PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -q --no-index --no-deps \
+    .whl-mcore/te_gqa_fix-*.whl || echo "te-gqa-fix wheel install failed: the route build cannot run"
+}
