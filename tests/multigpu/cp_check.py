@@ -873,6 +873,10 @@ def run(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     }
     try:
         results["stack"] = runner.stack()
+        # The cuDNN every worker's TE runs (TE_GQA_FIX_CUDNN acts per process).
+        per_rank: List[Any] = [None] * runner.world
+        runner.dist.all_gather_object(per_rank, results["stack"].get("cudnn_te"))
+        results["stack"]["cudnn_te_per_rank"] = per_rank
         log(rank, f"stack: {json.dumps(results['stack'], default=str)}")
         comms = [c for c in args.comm.split(",") if c]
         heads = parse_heads(args.heads)
