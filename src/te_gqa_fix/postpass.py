@@ -285,13 +285,13 @@ def zero_dead_rows_prechecked(
     of their metadata) and resolves the mask to ``span`` once per call shape, so this
     skips :func:`check_metadata` and ``key_span``. ``launches``
     (:class:`te_gqa_fix.triton_postpass.Launches`, or None for the PyTorch route) keys
-    the kernel launch on the outputs' metadata, which is new each call. Whenever the
-    kernel declines, the outputs are checked like the public function's and the PyTorch
-    post-pass runs: rows are never left unzeroed.
+    the kernel launch on the outputs' metadata, which is new each call (the kernel checks
+    them once per key). Whenever the kernel declines, the PyTorch post-pass runs on the
+    outputs as they are (masks sized from each tensor's own rows; dK/dV of different
+    rows make the fill raise, never zero wrong rows): rows are never left unzeroed.
     """
     if deep_validation_enabled():
         _deep_check(dq, dk, offsets)
     if launches is not None and launches.launch(dq, dk, dv, offsets, span):  # type: ignore[attr-defined]
         return
-    check_metadata(dq, dk, dv, *offsets)
     _zero_with_torch(dq, dk, dv, offsets, span)

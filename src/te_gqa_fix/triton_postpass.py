@@ -37,6 +37,7 @@ import torch
 
 from ._logging import log_once
 from .masks import KeySpan
+from .validation import check_metadata
 
 __all__ = ["Launches", "available", "zero_dead_rows_triton"]
 
@@ -644,6 +645,9 @@ class Launches:
         )  # fmt: skip
         plan = self.plans.get(key)
         if plan is None:
+            # Once per output shape: the checks zero_dead_rows makes on its arguments
+            # (dK and dV of equal rows above all: the kernel sizes both from dK).
+            check_metadata(dq, dk, dv, *offsets)
             why = _why_unsupported(dq, dk, dv, offsets, require_cuda=True)
             if why is not None:
                 log_once(
