@@ -64,6 +64,10 @@ BLOCK_T = 16
 BLOCK_C = 128
 #: Aim for at least this many programs per SM (column tiles are split to get there).
 _PROGRAMS_PER_SM = 8
+#: At most this many column tiles per tensor in one program (0: no cap). A cap splits the
+#: wide dQ rows of MQA/GQA over more programs when the row blocks alone fill the grid
+#: (more stores in flight per SM); benchmarks/sweep_kernel.py measures it.
+_MAX_TILES = 0
 _NUM_WARPS = 4
 
 
@@ -398,7 +402,7 @@ def _plan(
     key = (
         q_t.shape, q_t.stride(), q_t.dtype, dk.shape, dk.stride(), dk.dtype, dv.shape,
         dv.stride(), dv.dtype, has_q, nseq, span, dk.device, offset_dtypes, BLOCK_T,
-        BLOCK_C, _PROGRAMS_PER_SM, _NUM_WARPS,
+        BLOCK_C, _PROGRAMS_PER_SM, _NUM_WARPS, _MAX_TILES,
     )  # fmt: skip
     plan = _plans.get(key)
     if plan is not None:
@@ -424,6 +428,8 @@ def _make_plan(
     # Split the column tiles over grid axis 1 when the row blocks alone cannot fill the GPU.
     target = _PROGRAMS_PER_SM * _sm_count(dk.device)
     n_split = max(1, min(max(tiles), -(-target // max(1, nblk_kv + nblk_q)), 65535))
+    if _MAX_TILES > 0:
+        n_split = min(max(n_split, -(-max(tiles) // _MAX_TILES)), 65535)
     nt_q, nt_k, nt_v = (-(-n // n_split) for n in tiles)
     exact = bool(span.exact)
     has_wl = exact and span.window_left >= 0
