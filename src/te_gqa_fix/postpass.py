@@ -105,6 +105,18 @@ def dead_row_masks(
     lq = cu_q[1:] - cu_q[:-1]
     lk = cu_kv[1:] - cu_kv[:-1]
     span = key_span(attn_mask_type, window_size, bottom_right_diagonal)
+    return _dead_row_masks(lq, lk, pad_q, pad_kv, rows_q, rows_kv, span)
+
+
+def _dead_row_masks(
+    lq: torch.Tensor,
+    lk: torch.Tensor,
+    pad_q: torch.Tensor,
+    pad_kv: torch.Tensor,
+    rows_q: Optional[int],
+    rows_kv: int,
+    span: KeySpan,
+) -> DeadRows:
     lo, hi = _key_bounds(lq, lk, span)
 
     inside, seg, pos = _segments(rows_kv, pad_kv.to(torch.int64).contiguous())
@@ -202,12 +214,11 @@ def zero_dead_rows(
     check_metadata(
         dq, dk, dv, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded
     )
-    rows_q = None if dq is None else int(shape_of(dq)[0])  # type: ignore[index]
-    rows_kv = int(shape_of(dk)[0])  # type: ignore[index]
     if deep_validation_enabled():
-        check_values(
-            rows_q, rows_kv, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded
+        _deep_check(
+            dq, dk, (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
         )
+    span = key_span(attn_mask_type, window_size, bottom_right_diagonal)
     if _use_triton(impl, dk):
         from . import triton_postpass
 
@@ -219,21 +230,68 @@ def zero_dead_rows(
             cu_seqlens_kv,
             cu_seqlens_q_padded,
             cu_seqlens_kv_padded,
-            span=key_span(attn_mask_type, window_size, bottom_right_diagonal),
+            span=span,
         ):
             return
-    dead = dead_row_masks(
-        cu_seqlens_q,
-        cu_seqlens_kv,
-        cu_seqlens_q_padded,
-        cu_seqlens_kv_padded,
-        rows_q=rows_q,
-        rows_kv=rows_kv,
-        attn_mask_type=attn_mask_type,
-        window_size=window_size,
-        bottom_right_diagonal=bottom_right_diagonal,
+    _zero_with_torch(
+        dq, dk, dv, (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded), span
     )
+
+
+def _deep_check(dq: Optional[object], dk: object, offsets: tuple) -> None:
+    rows_q = None if dq is None else int(shape_of(dq)[0])  # type: ignore[index]
+    rows_kv = int(shape_of(dk)[0])  # type: ignore[index]
+    check_values(rows_q, rows_kv, *offsets)
+
+
+def _zero_with_torch(
+    dq: Optional[torch.Tensor],
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    offsets: tuple,
+    span: KeySpan,
+) -> None:
+    """The PyTorch post-pass on checked arguments (CPU, and the fallback on CUDA)."""
+    cu_q_t, cu_kv_t, pad_q_t, pad_kv_t = offsets
+    rows_q = None if dq is None else int(shape_of(dq)[0])  # type: ignore[index]
+    rows_kv = int(shape_of(dk)[0])  # type: ignore[index]
+    if cu_q_t.numel() - 1 <= 0:
+        dead = dead_row_masks(*offsets, rows_q=rows_q, rows_kv=rows_kv)
+    else:
+        cu_q = cu_q_t.to(torch.int64)
+        cu_kv = cu_kv_t.to(torch.int64)
+        pad_q = cu_q_t if pad_q_t is None else pad_q_t
+        pad_kv = cu_kv_t if pad_kv_t is None else pad_kv_t
+        lq = cu_q[1:] - cu_q[:-1]
+        lk = cu_kv[1:] - cu_kv[:-1]
+        dead = _dead_row_masks(lq, lk, pad_q, pad_kv, rows_q, rows_kv, span)
     zero_rows_(dk, dead.kv, "dk")
     zero_rows_(dv, dead.kv, "dv")
     if dq is not None and dead.q is not None:
         zero_rows_(dq, dead.q, "dq")
+
+
+def zero_dead_rows_prechecked(
+    dq: Optional[torch.Tensor],
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    offsets: tuple,
+    span: KeySpan,
+    launches: Optional[object],
+) -> None:
+    """The post-pass for a caller that has already checked the call (the wrapper).
+
+    The wrapper validates TE's inputs and the offsets once per call (a cached comparison
+    of their metadata) and resolves the mask to ``span`` once per call shape, so this
+    skips :func:`check_metadata` and ``key_span``. ``launches``
+    (:class:`te_gqa_fix.triton_postpass.Launches`, or None for the PyTorch route) keys
+    the kernel launch on the outputs' metadata, which is new each call (the kernel checks
+    them once per key). Whenever the kernel declines, the PyTorch post-pass runs on the
+    outputs as they are (masks sized from each tensor's own rows; dK/dV of different
+    rows make the fill raise, never zero wrong rows): rows are never left unzeroed.
+    """
+    if deep_validation_enabled():
+        _deep_check(dq, dk, offsets)
+    if launches is not None and launches.launch(dq, dk, dv, offsets, span):  # type: ignore[attr-defined]
+        return
+    _zero_with_torch(dq, dk, dv, offsets, span)

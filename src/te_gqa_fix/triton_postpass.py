@@ -37,8 +37,9 @@ import torch
 
 from ._logging import log_once
 from .masks import KeySpan
+from .validation import check_metadata
 
-__all__ = ["available", "zero_dead_rows_triton"]
+__all__ = ["Launches", "available", "zero_dead_rows_triton"]
 
 # Filled in by _build() on first use: the kernel bodies below refer to these module
 # globals, which Triton resolves when it compiles (or interprets) them.
@@ -63,6 +64,10 @@ BLOCK_T = 16
 BLOCK_C = 128
 #: Aim for at least this many programs per SM (column tiles are split to get there).
 _PROGRAMS_PER_SM = 8
+#: At most this many column tiles per tensor in one program (0: no cap). A cap splits the
+#: wide dQ rows of MQA/GQA over more programs when the row blocks alone fill the grid
+#: (more stores in flight per SM); benchmarks/sweep_kernel.py measures it.
+_MAX_TILES = 0
 _NUM_WARPS = 4
 
 
@@ -350,23 +355,68 @@ def _contig(o: torch.Tensor) -> torch.Tensor:
     return o if o.is_contiguous() else o.contiguous()
 
 
+class _LaunchPlan:
+    """Everything one launch needs that depends only on metadata, resolved once.
+
+    ``compiled`` maps the pointers' 16-byte alignment (the one per-call property Triton
+    specializes a pointer on; dtypes and every integer argument are fixed by the plan's
+    key) to the kernel Triton compiled for it, captured from the first normal launch.
+    ``tail`` is every argument after the tensors, constexprs included, in the kernel's
+    parameter order: what Triton's own launcher is handed.
+    """
+
+    __slots__ = ("compiled", "device_index", "grid", "meta", "scalars", "tail")
+
+    def __init__(
+        self, grid: Tuple[int, int], scalars: tuple, meta: Dict[str, Any], device_index: int
+    ) -> None:
+        self.grid = grid
+        self.scalars = scalars
+        self.meta = meta
+        self.tail: Optional[tuple] = None
+        self.compiled: Dict[object, Any] = {}
+        self.device_index = device_index
+
+
 #: Launch plans by tensor metadata (shapes, strides, batch size, mask): the host work
 #: between two calls with the same layout is then a dict lookup. Bounded; cleared when full.
-_plans: Dict[tuple, Tuple[Tuple[int, int], tuple, Dict[str, Any]]] = {}
+_plans: Dict[tuple, _LaunchPlan] = {}
 _MAX_PLANS = 256
 
 
 def _plan(
-    q_t: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, has_q: bool, nseq: int, span: KeySpan
-) -> Tuple[Tuple[int, int], tuple, Dict[str, Any]]:
-    """(grid, scalar arguments, constexpr arguments) for one launch, cached."""
+    q_t: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    has_q: bool,
+    nseq: int,
+    span: KeySpan,
+    offset_dtypes: tuple,
+) -> _LaunchPlan:
+    """Grid, scalar and constexpr arguments for one launch, cached.
+
+    The key holds everything Triton specializes the compiled kernel on except the
+    pointers' alignment (dtypes of all seven tensors, every integer argument through the
+    shapes and strides), so a plan's compiled kernels are valid for every call it serves.
+    """
     key = (
-        q_t.shape, q_t.stride(), dk.shape, dk.stride(), dv.shape, dv.stride(), has_q, nseq,
-        span, dk.device, BLOCK_T, BLOCK_C, _PROGRAMS_PER_SM, _NUM_WARPS,
+        q_t.shape, q_t.stride(), q_t.dtype, dk.shape, dk.stride(), dk.dtype, dv.shape,
+        dv.stride(), dv.dtype, has_q, nseq, span, dk.device, offset_dtypes, BLOCK_T,
+        BLOCK_C, _PROGRAMS_PER_SM, _NUM_WARPS, _MAX_TILES,
     )  # fmt: skip
     plan = _plans.get(key)
     if plan is not None:
         return plan
+    plan = _make_plan(q_t, dk, dv, has_q, nseq, span)
+    if len(_plans) >= _MAX_PLANS:
+        _plans.clear()
+    _plans[key] = plan
+    return plan
+
+
+def _make_plan(
+    q_t: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, has_q: bool, nseq: int, span: KeySpan
+) -> _LaunchPlan:
     rows_kv = int(dk.shape[0])
     rows_q = int(q_t.shape[0]) if has_q else 0
     nblk_kv = -(-rows_kv // BLOCK_T)
@@ -378,6 +428,8 @@ def _plan(
     # Split the column tiles over grid axis 1 when the row blocks alone cannot fill the GPU.
     target = _PROGRAMS_PER_SM * _sm_count(dk.device)
     n_split = max(1, min(max(tiles), -(-target // max(1, nblk_kv + nblk_q)), 65535))
+    if _MAX_TILES > 0:
+        n_split = min(max(n_split, -(-max(tiles) // _MAX_TILES)), 65535)
     nt_q, nt_k, nt_v = (-(-n // n_split) for n in tiles)
     exact = bool(span.exact)
     has_wl = exact and span.window_left >= 0
@@ -406,13 +458,122 @@ def _plan(
         NT_K=nt_k,
         NT_V=nt_v,
     )
-    if dk.device.type == "cuda":
+    cuda = dk.device.type == "cuda"
+    if cuda:
         meta["num_warps"] = _NUM_WARPS
-    plan = ((nblk_kv + nblk_q, n_split), scalars, meta)
-    if len(_plans) >= _MAX_PLANS:
-        _plans.clear()
-    _plans[key] = plan
-    return plan
+    index = dk.device.index if cuda and dk.device.index is not None else -1
+    if cuda and index < 0:
+        index = torch.cuda.current_device()
+    return _LaunchPlan((nblk_kv + nblk_q, n_split), scalars, meta, index)
+
+
+# ----------------------------------------------------------------- the fast launch
+# Triton's ``kernel[grid](...)`` binds and specializes every argument and builds a cache
+# key string on every call (20-40 us of Python). The plan fixes all of that except the
+# pointers' alignment, so the compiled kernel is launched directly through the launcher
+# Triton itself calls (``CompiledKernel.run``), the way ``JITFunction.run`` does.
+
+_fast_ok = True  # cleared (and logged once) when the direct launch ever fails
+_runtime_knobs: Any = None
+
+
+def _raw_stream(index: int) -> int:
+    """The current CUDA stream of device ``index`` as Triton gets it (a C call, no sync)."""
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
+def _current_device() -> int:
+    """The current CUDA device (a C call; ``torch.cuda.current_device`` adds Python)."""
+    return torch._C._cuda_getDevice()
+
+
+def _hooks_clear() -> bool:
+    """No launch hooks (profilers): the direct launch may skip them. Else use Triton's path."""
+    knobs = _runtime_knobs
+    if knobs is None:
+        return False
+    for hook in (knobs.launch_enter_hook, knobs.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return False
+    return True
+
+
+def _capture(plan: _LaunchPlan, align: object, ret: Any, kernel: Any, n_tensors: int) -> None:
+    """Keep what ``kernel[grid](...)`` returned when it is a compiled kernel we can relaunch.
+
+    Triton 3.x returns the ``CompiledKernel`` it launched; the interpreter returns None.
+    The direct launch needs every argument in the kernel's parameter order: the tail is
+    rebuilt by name, and a signature we do not recognise disables the fast path.
+    """
+    global _runtime_knobs
+    if ret is None or not all(hasattr(ret, a) for a in ("run", "function", "packed_metadata")):
+        return
+    if plan.tail is None:
+        names = list(getattr(kernel, "arg_names", ()))
+        n_scalar = n_tensors + len(plan.scalars)
+        consts = {k: v for k, v in plan.meta.items() if k in names}
+        if len(names) != n_scalar + len(consts) or set(names[n_scalar:]) != set(consts):
+            log_once(
+                ("triton-fast-signature",),
+                logging.DEBUG,
+                "te_gqa_fix: kernel parameters %s do not match the launch plan; "
+                "using Triton's launch path",
+                names,
+            )
+            return
+        plan.tail = plan.scalars + tuple(consts[n] for n in names[n_scalar:])
+    if _runtime_knobs is None:
+        try:
+            from triton import knobs
+
+            _runtime_knobs = knobs.runtime
+        except Exception:  # Triton without knobs (< 3.4): keep its own launch path
+            return
+    run = ret.run  # property: loads the module on first use
+    plan.compiled[align] = (run, ret.function, ret.packed_metadata)
+
+
+def _run(plan: _LaunchPlan, tensors: tuple) -> None:
+    """Launch the kernel for ``plan`` on ``tensors`` (dq-or-stand-in, dk, dv, 4 offsets)."""
+    global _fast_ok
+    g0, g1 = plan.grid
+    if g0 == 0:
+        return
+    index = plan.device_index
+    align: object = ()
+    if index >= 0:
+        q_t, dk, dv, cu_q, cu_kv, pad_q, pad_kv = tensors
+        ptr_or = (
+            q_t.data_ptr() | dk.data_ptr() | dv.data_ptr() | cu_q.data_ptr()
+            | cu_kv.data_ptr() | pad_q.data_ptr() | pad_kv.data_ptr()
+        )  # fmt: skip
+        # All 16-byte aligned (the usual case) is one key; otherwise one flag per pointer.
+        align = 0 if ptr_or & 15 == 0 else tuple(t.data_ptr() & 15 == 0 for t in tensors)
+        entry = plan.compiled.get(align)
+        if entry is not None and _fast_ok and _hooks_clear():
+            if _current_device() == index:
+                try:
+                    run, function, packed = entry
+                    run(g0, g1, 1, _raw_stream(index), function, packed, None, None, None,
+                        *tensors, *plan.tail)  # fmt: skip
+                    return
+                except Exception as exc:  # never leave rows unzeroed: Triton's path below
+                    _fast_ok = False
+                    log_once(
+                        ("triton-fast-failed",),
+                        logging.WARNING,
+                        "te_gqa_fix: direct Triton launch failed (%r); using Triton's "
+                        "launch path from now on",
+                        exc,
+                    )
+    kernel = _build()
+    if index >= 0 and _current_device() != index:
+        with torch.cuda.device(index):  # Triton launches on the current device's stream
+            ret = kernel[plan.grid](*tensors, *plan.scalars, **plan.meta)
+    else:
+        ret = kernel[plan.grid](*tensors, *plan.scalars, **plan.meta)
+    if index >= 0 and align not in plan.compiled and len(plan.compiled) < 16:
+        _capture(plan, align, ret, kernel, len(tensors))
 
 
 def _launch(
@@ -430,21 +591,114 @@ def _launch(
     The entry point the Triton interpreter tests use (``TRITON_INTERPRET=1``, CPU
     tensors); callers must have checked the arguments with :func:`_why_unsupported`.
     """
-    kernel = _build()
     # With dq None its branch never runs; dk stands in so the launch has a pointer.
     q_t = dk if dq is None else dq
-    grid, scalars, meta = _plan(q_t, dk, dv, dq is not None, cu_seqlens_q.numel() - 1, span)
-    if grid[0] == 0:
-        return
+    tensors = _tensors(
+        q_t, dk, dv, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded
+    )
+    dtypes = tuple(t.dtype for t in tensors[3:])
+    plan = _plan(q_t, dk, dv, dq is not None, cu_seqlens_q.numel() - 1, span, dtypes)
+    _run(plan, tensors)
+
+
+def _tensors(
+    q_t: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_kv: torch.Tensor,
+    cu_seqlens_q_padded: Optional[torch.Tensor],
+    cu_seqlens_kv_padded: Optional[torch.Tensor],
+) -> tuple:
+    """The kernel's tensor arguments, in its parameter order (offsets made contiguous)."""
     cu_q = _contig(cu_seqlens_q)
     cu_kv = _contig(cu_seqlens_kv)
     pad_q = cu_q if cu_seqlens_q_padded is None else _contig(cu_seqlens_q_padded)
     pad_kv = cu_kv if cu_seqlens_kv_padded is None else _contig(cu_seqlens_kv_padded)
-    if dk.device.type == "cuda" and dk.device.index not in (None, torch.cuda.current_device()):
-        with torch.cuda.device(dk.device):  # Triton launches on the current device's stream
-            kernel[grid](q_t, dk, dv, cu_q, cu_kv, pad_q, pad_kv, *scalars, **meta)
-        return
-    kernel[grid](q_t, dk, dv, cu_q, cu_kv, pad_q, pad_kv, *scalars, **meta)
+    return (q_t, dk, dv, cu_q, cu_kv, pad_q, pad_kv)
+
+
+class Launches:
+    """Per call shape (owned by the wrapper): output metadata -> launch plan, or why not.
+
+    The wrapper has already checked the offsets (type, dtype, rank, length, device) for
+    this call shape; what changes between calls with the same inputs are the outputs,
+    new tensors each call, so their type, shape, strides, dtype and device form the key.
+    """
+
+    __slots__ = ("plans",)
+
+    def __init__(self) -> None:
+        self.plans: Dict[tuple, Any] = {}
+
+    def launch(
+        self,
+        dq: Optional[torch.Tensor],
+        dk: torch.Tensor,
+        dv: torch.Tensor,
+        offsets: tuple,
+        span: KeySpan,
+    ) -> bool:
+        """Zero the dead rows with the kernel; False (nothing done) when it cannot."""
+        global _broken
+        if _broken:
+            return False
+        q_t = dk if dq is None else dq
+        key = (
+            dq is None, type(q_t), q_t.shape, q_t.stride(), q_t.dtype, q_t.device,
+            type(dk), dk.shape, dk.stride(), dk.dtype, dk.device,
+            type(dv), dv.shape, dv.stride(), dv.dtype, dv.device,
+        )  # fmt: skip
+        plan = self.plans.get(key)
+        if plan is None:
+            # Once per output shape: the checks zero_dead_rows makes on its arguments
+            # (dK and dV of equal rows above all: the kernel sizes both from dK).
+            check_metadata(dq, dk, dv, *offsets)
+            why = _why_unsupported(dq, dk, dv, offsets, require_cuda=True)
+            if why is not None:
+                log_once(
+                    ("triton-unsupported", why),
+                    logging.DEBUG,
+                    "te_gqa_fix: Triton post-pass does not handle %s; using the PyTorch post-pass",
+                    why,
+                )
+                plan = False
+            else:
+                dtypes = tuple(t.dtype for t in _tensors(q_t, dk, dv, *offsets)[3:])
+                nseq = offsets[0].numel() - 1
+                plan = _plan(q_t, dk, dv, dq is not None, nseq, span, dtypes)
+            if len(self.plans) >= _MAX_PLANS:
+                self.plans.clear()
+            self.plans[key] = plan
+        if plan is False:
+            return False
+        cu_q, cu_kv, pad_q, pad_kv = offsets
+        if not cu_q.is_contiguous():
+            cu_q = cu_q.contiguous()
+        if not cu_kv.is_contiguous():
+            cu_kv = cu_kv.contiguous()
+        if pad_q is None:
+            pad_q = cu_q
+        elif not pad_q.is_contiguous():
+            pad_q = pad_q.contiguous()
+        if pad_kv is None:
+            pad_kv = cu_kv
+        elif pad_kv is offsets[2]:  # TE's context-parallel paths pass one tensor for both
+            pad_kv = pad_q
+        elif not pad_kv.is_contiguous():
+            pad_kv = pad_kv.contiguous()
+        try:
+            _run(plan, (q_t, dk, dv, cu_q, cu_kv, pad_q, pad_kv))
+        except Exception as exc:  # compile or launch failure: never leave rows unzeroed
+            _broken = True
+            log_once(
+                ("triton-failed",),
+                logging.WARNING,
+                "te_gqa_fix: Triton post-pass failed (%r); using the PyTorch post-pass from now on",
+                exc,
+            )
+            return False
+        return True
 
 
 def zero_dead_rows_triton(

@@ -16,11 +16,14 @@ from collections import Counter
 from types import ModuleType
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
+import torch
+
 from ._logging import log_once, logger
 from ._marker import MARKER, is_wrapper, unwrap
 from .guard import check_head_dims, cudnn_fixed
+from .masks import KeySpan, key_span
 from .policy import get_policy
-from .postpass import zero_dead_rows
+from .postpass import zero_dead_rows_prechecked
 from .validation import check_metadata, shape_of
 
 __all__ = [
@@ -78,6 +81,13 @@ def parse_layout(layout: object) -> Optional[Tuple[bool, bool]]:
     return None
 
 
+#: What the hot path reads from every call, in this order (see _Args.picker).
+_CALL_ARGS = (
+    "k", "v", "layout_name", "layout", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded",
+    "cu_seqlens_kv_padded", "attn_mask_type", "window_size", "bottom_right_diagonal",
+)  # fmt: skip
+
+
 class _Args:
     """Name-based access to one call's arguments, from a signature resolved once."""
 
@@ -86,6 +96,7 @@ class _Args:
         self.positions: Dict[str, int] = {}
         self.defaults: Dict[str, Any] = {}
         self.names = set(sig.parameters)
+        self.has_dqkv_layout = "dqkv_layout" in self.names
         for i, (name, p) in enumerate(sig.parameters.items()):
             if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
                 raise TypeError(f"signature has *{name}; cannot bind by name")
@@ -93,6 +104,8 @@ class _Args:
                 self.positions[name] = i
             if p.default is not p.empty:
                 self.defaults[name] = p.default
+        self.pick_q = self.picker(("q",))
+        self.pick_call = self.picker(_CALL_ARGS)
 
     def get(self, args: Sequence, kwargs: Mapping[str, Any], name: str, default: Any = None):
         if name in kwargs:
@@ -106,18 +119,84 @@ class _Args:
         i = self.positions.get(name)
         return name in kwargs or (i is not None and i < len(args))
 
+    def _expr(self, name: str, fallback: str) -> str:
+        """Source of one argument's value: keyword, else position, else default."""
+        default = f"_d[{name!r}]" if name in self.defaults else fallback
+        i = self.positions.get(name)
+        if name not in self.names:
+            return fallback
+        if i is None:
+            return f"kwargs.get({name!r}, {default})"
+        return f"(kwargs[{name!r}] if {name!r} in kwargs else args[{i}] if na > {i} else {default})"
+
+    def picker(self, names: Sequence[str]) -> Callable[[Sequence, Mapping[str, Any]], tuple]:
+        """A function ``(args, kwargs) -> values of names`` compiled for this signature.
+
+        Why generated code: the wrapper reads a dozen arguments on every call; one
+        expression per argument with the position baked in is several times cheaper
+        than a lookup loop (the same trick Triton uses for its argument binder).
+        ``layout`` stands for TE's ``dqkv_layout`` when the call gave one, else
+        ``qkv_layout``; ``layout_name`` says which.
+        """
+        parts = []
+        for name in names:
+            if name == "layout_name":
+                given = "False"
+                if self.has_dqkv_layout:
+                    i = self.positions.get("dqkv_layout")
+                    given = "'dqkv_layout' in kwargs" + (f" or na > {i}" if i is not None else "")
+                parts.append(f"('dqkv_layout' if ({given}) else 'qkv_layout')")
+            elif name == "layout":
+                dq = self._expr("dqkv_layout", "None") if self.has_dqkv_layout else "None"
+                qkv = self._expr("qkv_layout", "None")
+                given = "False"
+                if self.has_dqkv_layout:
+                    i = self.positions.get("dqkv_layout")
+                    given = "'dqkv_layout' in kwargs" + (f" or na > {i}" if i is not None else "")
+                parts.append(f"({dq} if ({given}) else {qkv})")
+            else:
+                parts.append(self._expr(name, "(-1, -1)" if name == "window_size" else "None"))
+        src = (
+            "def pick(args, kwargs):\n    na = len(args)\n    return (" + ", ".join(parts) + ",)\n"
+        )
+        scope: Dict[str, Any] = {"_d": dict(self.defaults)}
+        exec(compile(src, f"<te_gqa_fix picker {','.join(names)}>", "exec"), scope)
+        return scope["pick"]
+
 
 def _heads(t: object) -> Optional[int]:
     shape = shape_of(t)  # also TE's FP8 storage classes, which have size() but no shape
     return int(shape[-2]) if shape is not None and len(shape) >= 2 else None
 
 
-class _Plan:
-    __slots__ = ("fix_q", "kwargs")
+_Tensor = torch.Tensor
+_MAX_PLANS = 256
 
-    def __init__(self, fix_q: bool, kwargs: Dict[str, Any]) -> None:
+
+class _Plan:
+    """What the wrapper does for one call shape, decided once and reused.
+
+    ``fix`` False means "understood, nothing to do" (MHA under auto, non-THD dK/dV).
+    ``guard`` holds ``(device_index, d_qk, d_v)`` for the per-call head-dim guard (a dict
+    lookup after its first call), or None. ``launches`` is the Triton launch cache for
+    this call shape (None: the PyTorch route).
+    """
+
+    __slots__ = ("fix", "fix_q", "guard", "launches", "span")
+
+    def __init__(
+        self,
+        fix: bool,
+        fix_q: bool = False,
+        span: Optional[KeySpan] = None,
+        guard: Optional[Tuple[int, int, int]] = None,
+        launches: Optional[object] = None,
+    ) -> None:
+        self.fix = fix
         self.fix_q = fix_q
-        self.kwargs = kwargs
+        self.span = span
+        self.guard = guard
+        self.launches = launches
 
 
 def _passthrough(key: object, msg: str, *args: object) -> None:
@@ -130,32 +209,42 @@ def _passthrough(key: object, msg: str, *args: object) -> None:
     )
 
 
-def _guard(device_index: Optional[int], q: object, v: object) -> None:
-    """Warn (or raise, strict) where the post-pass cannot make this backward exact."""
+def _guard_dims(
+    device_index: Optional[int], q: object, v: object
+) -> Optional[Tuple[int, int, int]]:
+    """``(device, d_qk, d_v)`` for :func:`check_head_dims`, or None when it cannot apply."""
     if device_index is None:
-        return
+        return None
     sq, sv = shape_of(q), shape_of(v)
     if sq is not None and sv is not None and len(sq) >= 1 and len(sv) >= 1:
-        check_head_dims(device_index, int(sq[-1]), int(sv[-1]))
+        return (device_index, int(sq[-1]), int(sv[-1]))
+    return None
 
 
-def _plan(binder: _Args, args: Sequence, kwargs: Mapping[str, Any]) -> Optional[_Plan]:
-    """Decide before the call (metadata only, no sync) whether and how to post-process."""
-    policy = get_policy()
-    if policy == "off":
-        _counts["skipped"] += 1
-        return None
-    q = binder.get(args, kwargs, "q")
+def _device_index(q: object) -> Optional[int]:
+    """The CUDA device index of ``q``, or None (CPU, unknown). No torch.device for tensors."""
+    if type(q) is _Tensor:
+        return q.get_device() if q.is_cuda else None  # type: ignore[union-attr]
     device = getattr(q, "device", None)
-    device_index = device.index if device is not None and device.type == "cuda" else None
-    if policy == "auto" and device_index is not None and cudnn_fixed(device_index):
-        # cuDNN >= 9.18 initialises the workspace: nothing to repair, nothing to guard.
-        _counts["skipped"] += 1
-        return None
-    layout_name = "qkv_layout"
-    if "dqkv_layout" in binder.names and binder.given(args, kwargs, "dqkv_layout"):
-        layout_name = "dqkv_layout"
-    layout = binder.get(args, kwargs, layout_name)
+    return device.index if device is not None and getattr(device, "type", None) == "cuda" else None
+
+
+def _decide(
+    binder: _Args,
+    args: Sequence,
+    kwargs: Mapping[str, Any],
+    policy: str,
+    device_index: Optional[int],
+    q: object,
+    layout_name: str,
+    layout: object,
+    offsets: tuple,
+) -> Optional[_Plan]:
+    """Decide from metadata alone (no sync) whether and how to post-process this call shape.
+
+    Runs on the first call of each shape (and on every call the cache cannot key); its
+    checks raise ``ValueError`` naming the argument, so a bad call is never cached.
+    """
     formats = parse_layout(layout)
     if formats is None:
         _passthrough(
@@ -164,37 +253,97 @@ def _plan(binder: _Args, args: Sequence, kwargs: Mapping[str, Any]) -> Optional[
         return None
     fix_q, fix_kv = formats
     if not fix_kv:
-        _counts["skipped"] += 1
-        return None
+        return _Plan(False)
     k = binder.get(args, kwargs, "k")
     v = binder.get(args, kwargs, "v")
-    _guard(device_index, q, v)
+    guard = _guard_dims(device_index, q, v)
+    if guard is not None:
+        check_head_dims(*guard)
     h_q, h_kv = _heads(q), _heads(k)
     if policy == "auto" and h_q is not None and h_q == h_kv:
+        return _Plan(False, guard=guard)
+    check_metadata(q if fix_q else None, k, v, *offsets, h_q, h_kv, names=("q", "k", "v"))
+    span = key_span(
+        binder.get(args, kwargs, "attn_mask_type"),
+        binder.get(args, kwargs, "window_size", (-1, -1)),
+        binder.get(args, kwargs, "bottom_right_diagonal"),
+    )
+    launches = None
+    if device_index is not None:
+        from . import triton_postpass
+
+        if triton_postpass.available():
+            launches = triton_postpass.Launches()
+    return _Plan(True, fix_q, span, guard, launches)
+
+
+def _hashable(x: object) -> object:
+    return tuple(x) if isinstance(x, list) else x
+
+
+def _plan(
+    binder: _Args, args: Sequence, kwargs: Mapping[str, Any], cache: Dict[tuple, _Plan]
+) -> Optional[Tuple[_Plan, tuple]]:
+    """``(plan, offsets)`` when this call needs the post-pass, else None (counted).
+
+    The hot path: the policy, the fixed-cuDNN pass-through, then one tuple of the call's
+    metadata (layout, mask, window, shapes and devices of q/k/v, dtype/shape/device of
+    each offsets tensor) looked up in ``cache``. Everything ``check_metadata`` reads is in
+    that tuple, so a hit means this exact metadata was checked before; the offsets are
+    new tensors each call, and their metadata is compared on every call.
+    """
+    policy = get_policy()
+    if policy == "off":
         _counts["skipped"] += 1
         return None
-    cu_q = binder.get(args, kwargs, "cu_seqlens_q")
-    cu_kv = binder.get(args, kwargs, "cu_seqlens_kv")
-    pad_q = binder.get(args, kwargs, "cu_seqlens_q_padded")
-    pad_kv = binder.get(args, kwargs, "cu_seqlens_kv_padded")
-    check_metadata(
-        q if fix_q else None, k, v, cu_q, cu_kv, pad_q, pad_kv, h_q, h_kv, names=("q", "k", "v")
+    q = binder.pick_q(args, kwargs)[0]
+    device_index = _device_index(q)
+    if policy == "auto" and device_index is not None and cudnn_fixed(device_index):
+        # cuDNN >= 9.18 initialises the workspace: nothing to repair, nothing to guard.
+        _counts["skipped"] += 1
+        return None
+    k, v, layout_name, layout, cu_q, cu_kv, pad_q, pad_kv, mask, window, brd = binder.pick_call(
+        args, kwargs
     )
-    return _Plan(
-        fix_q,
-        dict(
-            cu_seqlens_q=cu_q,
-            cu_seqlens_kv=cu_kv,
-            cu_seqlens_q_padded=pad_q,
-            cu_seqlens_kv_padded=pad_kv,
-            attn_mask_type=binder.get(args, kwargs, "attn_mask_type"),
-            window_size=binder.get(args, kwargs, "window_size", (-1, -1)),
-            bottom_right_diagonal=binder.get(args, kwargs, "bottom_right_diagonal"),
-        ),
-    )
+    offsets = (cu_q, cu_kv, pad_q, pad_kv)
+    T = _Tensor
+    key: Optional[tuple] = None
+    if type(q) is T and type(k) is T and type(v) is T:
+        key = (
+            policy, layout_name, layout, mask, tuple(window) if type(window) is list else window,
+            brd, q.shape, q.device, k.shape, k.device, v.shape, v.device,
+        )  # fmt: skip
+        for o in offsets:
+            if o is None:
+                key += (None,)
+            elif type(o) is T:
+                key += (o.dtype, o.shape, o.device)
+            else:
+                key = None
+                break
+    plan = None
+    if key is not None:
+        try:
+            plan = cache.get(key)
+        except TypeError:  # an unhashable argument: decide without the cache
+            key = None
+    if plan is None:
+        plan = _decide(binder, args, kwargs, policy, device_index, q, layout_name, layout, offsets)
+        if plan is None:
+            return None
+        if key is not None:
+            if len(cache) >= _MAX_PLANS:
+                cache.clear()
+            cache[key] = plan
+    elif plan.guard is not None:
+        check_head_dims(*plan.guard)
+    if not plan.fix:
+        _counts["skipped"] += 1
+        return None
+    return plan, offsets
 
 
-def _apply(plan: _Plan, out: object) -> None:
+def _apply(plan: _Plan, offsets: tuple, out: object) -> None:
     if not isinstance(out, (list, tuple)) or len(out) < 3:
         _passthrough(
             ("output", type(out).__name__),
@@ -203,7 +352,7 @@ def _apply(plan: _Plan, out: object) -> None:
         )
         return
     dq, dk, dv = out[0], out[1], out[2]
-    zero_dead_rows(dq if plan.fix_q else None, dk, dv, **plan.kwargs)
+    zero_dead_rows_prechecked(dq if plan.fix_q else None, dk, dv, offsets, plan.span, plan.launches)
     _counts["fixed"] += 1
 
 
@@ -217,6 +366,7 @@ def _new_wrapper(original: Callable) -> Callable:
     """
     if is_wrapper(original):
         return original
+    cache: Dict[tuple, _Plan] = {}
     try:
         binder: Optional[_Args] = _Args(original)
     except (TypeError, ValueError) as exc:
@@ -234,10 +384,10 @@ def _new_wrapper(original: Callable) -> Callable:
                 reason,
             )
             return original(*args, **kwargs)
-        plan = _plan(binder, args, kwargs)
+        decided = _plan(binder, args, kwargs, cache)
         out = original(*args, **kwargs)
-        if plan is not None:
-            _apply(plan, out)
+        if decided is not None:
+            _apply(decided[0], decided[1], out)
         return out
 
     setattr(fused_attn_bwd, MARKER, True)

@@ -1,0 +1,412 @@
+#!/usr/bin/env python3
+"""Render what ``bench_postpass.py`` measured: goals, tables, docs/performance.md, README.
+
+Measuring and reporting are separate (issue 14): ``bench_postpass.py`` writes every raw
+number into ``bench.json``; this module derives the summaries (bounds, ratios, the goals
+with yes/no) and renders markdown, so a table can be redone from the JSON without a GPU.
+
+    python benchmarks/bench_report.py system/bench.json pip/bench.json \\
+        [--md combined.md] [--doc docs/performance.md] [--readme README.md]
+
+``--doc``/``--readme`` rewrite the generated blocks of those files in place (between
+``<!-- bench:results:begin -->``/``end`` and ``<!-- bench:headline:begin -->``/``end``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+#: Issue 12's goals.
+HOST_OVERHEAD_US = 15.0  # wrapper minus TE's own call, host time, median
+PASSTHROUGH_US = 5.0  # the same where cuDNN is fixed (the wrapper passes through)
+BOUND_FACTOR = 1.5  # device time of the post-pass / write bound, at >= LARGE_TOKENS
+LARGE_TOKENS = 32768
+SMALL_US = 10.0  # device time of the post-pass below LARGE_TOKENS
+
+RESULTS = ("<!-- bench:results:begin -->", "<!-- bench:results:end -->")
+HEADLINE = ("<!-- bench:headline:begin -->", "<!-- bench:headline:end -->")
+
+
+def _t(res: Dict[str, Any], name: str, field: str = "median_us") -> Optional[float]:
+    t = res.get("timings", {}).get(name)
+    return None if t is None else t.get(field)
+
+
+def yes(ok: Optional[bool]) -> str:
+    return "-" if ok is None else ("yes" if ok else "NO")
+
+
+def summarize(res: Dict[str, Any], bw: Dict[str, float]) -> Dict[str, Any]:
+    """Derived numbers and the goals (yes/no) of one workload's raw timings."""
+    s: Dict[str, Any] = {}
+    bwd, pp = _t(res, "bwd"), _t(res, "postpass_triton")
+    tokens = res.get("workload", {}).get("rows", 0)
+    if "bytes_to_write" in res and bw.get("copy_traffic_GBps"):
+        s["bound_us"] = res["bytes_to_write"] / (bw["copy_traffic_GBps"] * 1e3)
+    if bwd and pp is not None:
+        s["postpass_pct_of_bwd"] = 100.0 * pp / bwd
+        target = res.get("workload", {}).get("target_pct")
+        if target is not None:
+            s["pct_target"] = target
+            s["pct_target_met"] = s["postpass_pct_of_bwd"] <= target
+    if pp is not None and s.get("bound_us"):
+        s["x_bound"] = pp / s["bound_us"]
+    if pp is not None:
+        if tokens >= LARGE_TOKENS:
+            s["device_goal"] = f"<= {BOUND_FACTOR:g}x bound"
+            s["device_goal_met"] = s.get("x_bound") is not None and s["x_bound"] <= BOUND_FACTOR
+        else:
+            s["device_goal"] = f"<= {SMALL_US:g} us"
+            s["device_goal_met"] = pp <= SMALL_US
+    over = _t(res, "wrapper_host", "overhead_us")
+    if over is not None:
+        s["host_overhead_us"] = over
+        s["host_goal_met"] = over <= HOST_OVERHEAD_US
+    over = _t(res, "passthrough_host", "overhead_us")
+    if over is not None:
+        s["passthrough_overhead_us"] = over
+        s["passthrough_goal_met"] = over <= PASSTHROUGH_US
+    factors = {}
+    for name, ref in (
+        ("bwd+torch_postpass", "wrapper"),
+        ("mha_total", "wrapper"),
+        ("empty_cache+bwd_wall", "wrapper_wall"),
+        ("bwd+python_loop_wall", "wrapper_wall"),
+    ):
+        a, b = _t(res, name), _t(res, ref)
+        if a is not None and b:
+            factors[name] = a / b
+    s["workaround_over_wrapper"] = factors
+    s["wrapper_fastest"] = bool(factors) and all(f > 1.0 for f in factors.values())
+    return s
+
+
+def _fmt(x: Optional[float], unit: str = "", digits: int = 1) -> str:
+    if x is None:
+        return "-"
+    if unit == "ms":
+        return f"{x / 1e3:.2f} ms"
+    if unit == "us":
+        return f"{x:.{digits}f} us"
+    return f"{x:.{digits}f}"
+
+
+def _summary(res: Dict[str, Any], report: Dict[str, Any]) -> Dict[str, Any]:
+    return summarize(res, report.get("bandwidth", {}))
+
+
+def label(report: Dict[str, Any]) -> str:
+    """``cuDNN 9.14.0 (system, affected)``-style name of one run's build."""
+    st = report.get("stack", {})
+    cud = st.get("cudnn_te") or st.get("te_cudnn") or "?"
+    if isinstance(cud, (list, tuple)):
+        cud = ".".join(map(str, cud))
+    kit = st.get("gpu_kit_cudnn") or report.get("args", {}).get("label") or ""
+    fixed = report.get("cudnn_fixed")
+    state = "" if fixed is None else ("fixed: pass-through" if fixed else "affected: post-pass")
+    extra = ", ".join(x for x in (kit, state) if x)
+    return f"cuDNN {cud}" + (f" ({extra})" if extra else "")
+
+
+def stack_line(report: Dict[str, Any]) -> str:
+    st = report.get("stack", {})
+    bw = report.get("bandwidth", {})
+    return (
+        f"{st.get('gpu')} ({st.get('sm_count', '?')} SMs, driver {st.get('driver')}), torch "
+        f"{st.get('torch')} (CUDA {st.get('cuda')}), Transformer Engine {st.get('te')} with "
+        f"{label(report)}, Triton {st.get('triton')}, te-gqa-fix {st.get('te_gqa_fix')}; "
+        f"{st.get('date') or report.get('date')}; `{report.get('command')}` "
+        f"({report.get('seconds', '?')} s). Copy bandwidth "
+        f"{bw.get('copy_traffic_GBps', 0):.0f} GB/s (read + write traffic), fill "
+        f"{bw.get('fill_GBps', 0):.0f} GB/s."
+    )
+
+
+def device_table(report: Dict[str, Any]) -> List[str]:
+    lines = [
+        "| workload | tokens | heads q/kv, d | fused_attn_bwd | wrapper | post-pass (Triton) | "
+        "% of bwd (target) | PyTorch masked_fill post-pass | zeros to write | write bound | "
+        "post-pass / bound | goal | met |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for res in report.get("workloads", []):
+        wl, s = res["workload"], _summary(res, report)
+        bwd, ppt = _t(res, "bwd"), _t(res, "postpass_torch")
+        pct = s.get("postpass_pct_of_bwd")
+        pct_s = "-" if pct is None else f"{pct:.2f}%"
+        if s.get("pct_target") is not None:
+            pct_s += f" (<= {s['pct_target']:g}%: {yes(s.get('pct_target_met'))})"
+        torch_s = _fmt(ppt, "us")
+        if ppt is not None and bwd:
+            torch_s += f" ({100 * ppt / bwd:.1f}%)"
+        xb = s.get("x_bound")
+        lines.append(
+            f"| {wl['name']} | {wl['rows']} | {wl['h_q']}/{wl['h_kv']}, {wl['d']} | "
+            f"{_fmt(bwd, 'ms')} | {_fmt(_t(res, 'wrapper'), 'ms')} | "
+            f"{_fmt(_t(res, 'postpass_triton'), 'us')} | {pct_s} | {torch_s} | "
+            f"{res.get('bytes_to_write', 0) / 1e6:.2f} MB | {_fmt(s.get('bound_us'), 'us', 2)} | "
+            f"{'-' if xb is None else f'{xb:.2f}x'} | {s.get('device_goal', '-')} | "
+            f"{yes(s.get('device_goal_met'))} |"
+        )
+    return lines
+
+
+def host_table(reports: Sequence[Dict[str, Any]]) -> List[str]:
+    lines = [
+        "| build | workload | TE's call | wrapper (post-pass) | overhead | "
+        f"<= {HOST_OVERHEAD_US:g} us | wrapper (pass-through) | overhead | "
+        f"<= {PASSTHROUGH_US:g} us | default here |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for report in reports:
+        fixed = report.get("cudnn_fixed")
+        default = "-" if fixed is None else ("pass-through" if fixed else "post-pass")
+        for res in report.get("workloads", []):
+            s = _summary(res, report)
+            lines.append(
+                f"| {label(report)} | {res['workload']['name']} | "
+                f"{_fmt(_t(res, 'te_host'), 'us')} | {_fmt(_t(res, 'wrapper_host'), 'us')} | "
+                f"{_fmt(s.get('host_overhead_us'), 'us')} | {yes(s.get('host_goal_met'))} | "
+                f"{_fmt(_t(res, 'passthrough_host'), 'us')} | "
+                f"{_fmt(s.get('passthrough_overhead_us'), 'us')} | "
+                f"{yes(s.get('passthrough_goal_met'))} | {default} |"
+            )
+    return lines
+
+
+def workaround_table(report: Dict[str, Any]) -> List[str]:
+    lines = [
+        "| workload | wrapper (device) | bwd + masked_fill post-pass | expand K/V to MHA "
+        "(expand + MHA bwd + group sum) | wrapper (wall) | empty_cache + bwd | bwd + "
+        "tolist() loop | wrapper fastest |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for res in report.get("workloads", []):
+        s = _summary(res, report)
+        f = s.get("workaround_over_wrapper", {})
+
+        def cell(name: str, res: Dict[str, Any] = res, f: Dict[str, float] = f) -> str:
+            t = _t(res, name)
+            return "-" if t is None else f"{_fmt(t, 'ms')} ({f.get(name, 0):.2f}x)"
+
+        lines.append(
+            f"| {res['workload']['name']} | {_fmt(_t(res, 'wrapper'), 'ms')} | "
+            f"{cell('bwd+torch_postpass')} | {cell('mha_total')} | "
+            f"{_fmt(_t(res, 'wrapper_wall'), 'ms')} | {cell('empty_cache+bwd_wall')} | "
+            f"{cell('bwd+python_loop_wall')} | {yes(s.get('wrapper_fastest'))} |"
+        )
+    return lines
+
+
+def checks_table(reports: Sequence[Dict[str, Any]]) -> List[str]:
+    keys = (
+        "sync_postpass_triton", "sync_postpass_torch", "sync_te_bwd", "sync_wrapper",
+        "sync_wrapper_passthrough", "sync_python_loop (detector must fire)",
+    )  # fmt: skip
+    lines = [
+        "| build | workload | Triton = torch = loop | stale max before -> after (poisoned "
+        "workspace) | no sync (post-pass triton / torch / TE bwd / wrapper / wrapper "
+        "pass-through / tolist loop) |",
+        "|---|---|---|---|---|",
+    ]
+    for report in reports:
+        for res in report.get("workloads", []):
+            ch = res.get("checks", {})
+            eq = ch.get("equal", {})
+            eq_s = "-" if not eq else (
+                "yes" if eq.get("kernel_ran") and eq.get("triton_eq_torch")
+                and eq.get("loop_eq_torch") else f"NO {eq}"
+            )  # fmt: skip
+            po = ch.get("poisoned_workspace", {})
+            po_s = "-" if not po else (
+                f"{po.get('unfixed_max_abs_on_dead_kv_rows', float('nan')):.3g} -> "
+                f"{po.get('wrapper_max_abs_on_dead_kv_rows', float('nan')):.3g}"
+            )  # fmt: skip
+            sync_s = " / ".join(
+                "ok" if x == "ok" else ("sync" if str(x).startswith("SYNC") else str(x))
+                for x in (ch.get(k, "-") for k in keys)
+            )
+            lines.append(
+                f"| {label(report)} | {res['workload']['name']} | {eq_s} | {po_s} | {sync_s} |"
+            )
+    return lines
+
+
+def errors(reports: Sequence[Dict[str, Any]]) -> List[str]:
+    out = []
+    for report in reports:
+        for res in report.get("workloads", []):
+            for k, v in res.get("errors", {}).items():
+                out.append(f"- {label(report)} / {res['workload']['name']} / {k}: {v}")
+        for k, v in report.get("errors", {}).items():
+            out.append(f"- {label(report)} / {k}: {v}")
+    return out
+
+
+def goals_summary(reports: Sequence[Dict[str, Any]]) -> Dict[str, Optional[bool]]:
+    """Every goal over every workload of every build: True only when all were met."""
+    acc: Dict[str, List[bool]] = {"host": [], "passthrough": [], "device": []}
+    for report in reports:
+        for res in report.get("workloads", []):
+            s = _summary(res, report)
+            for goal, key in (
+                ("host", "host_goal_met"),
+                ("passthrough", "passthrough_goal_met"),
+                ("device", "device_goal_met"),
+            ):
+                if key in s:
+                    acc[goal].append(bool(s[key]))
+    return {k: (all(v) if v else None) for k, v in acc.items()}
+
+
+def results_block(reports: Sequence[Dict[str, Any]]) -> str:
+    """The generated part of docs/performance.md: every table, both builds."""
+    g = goals_summary(reports)
+    lines = [
+        "Goals (issue 12), over every workload of both builds: wrapper host overhead <= "
+        f"{HOST_OVERHEAD_US:g} us: **{yes(g['host'])}**; pass-through <= {PASSTHROUGH_US:g} "
+        f"us: **{yes(g['passthrough'])}**; post-pass device time <= {BOUND_FACTOR:g}x the "
+        f"write bound at >= {LARGE_TOKENS // 1024}K tokens and <= {SMALL_US:g} us below: "
+        f"**{yes(g['device'])}**.",
+        "",
+    ]
+    for report in reports:
+        lines += [f"- {stack_line(report)}"]
+    lines += ["", "### Host time per call (median; overhead = paired median difference)", ""]
+    lines += host_table(reports)
+    for report in reports:
+        lines += ["", f"### Post-pass cost, {label(report)} (device time, medians)", ""]
+        lines += device_table(report)
+    with_workarounds = [r for r in reports if any(
+        "mha_total" in res.get("timings", {}) or "wrapper_wall" in res.get("timings", {})
+        for res in r.get("workloads", []))]  # fmt: skip
+    for report in with_workarounds:
+        lines += [
+            "",
+            f"### Workarounds, as a multiple of the wrapper, {label(report)}",
+            "",
+            "Device mode for GPU-only variants, wall mode (GPU idle before each call, host "
+            "stalls included) for those that block the host; each is divided by the wrapper "
+            "measured in the same mode.",
+            "",
+        ]
+        lines += workaround_table(report)
+    lines += ["", "### Checks", "", *checks_table(reports)]
+    errs = errors(reports)
+    if errs:
+        lines += ["", "### Errors", "", *errs]
+    return "\n".join(lines) + "\n"
+
+
+def headline(reports: Sequence[Dict[str, Any]]) -> str:
+    """README's Evidence headline, from the affected build's run (else the first)."""
+    if not reports:
+        return ""
+    affected = [r for r in reports if r.get("cudnn_fixed") is False] or list(reports)
+    rep = affected[0]
+    by = {res["workload"]["name"]: res for res in rep.get("workloads", [])}
+    pcts, xs, over = [], [], []
+    for name in ("llama8b-8k", "llama8b-32k", "llama8b-128k"):
+        res = by.get(name)
+        if res is None:
+            continue
+        s = _summary(res, rep)
+        if s.get("postpass_pct_of_bwd") is not None:
+            pcts.append((name.split("-")[-1].upper(), s["postpass_pct_of_bwd"]))
+        if s.get("x_bound") is not None:
+            xs.append(s["x_bound"])
+    for r in reports:
+        for res in r.get("workloads", []):
+            s = _summary(res, r)
+            if s.get("host_overhead_us") is not None:
+                over.append(s["host_overhead_us"])
+    passes = [
+        _summary(res, r).get("passthrough_overhead_us")
+        for r in reports
+        for res in r.get("workloads", [])
+    ]
+    passes = [p for p in passes if p is not None]
+    st = rep.get("stack", {})
+    parts = [
+        f"Headline ({st.get('gpu')}, TE {st.get('te')}, Llama-3-8B attention: 32/8 heads, d "
+        "128, bf16, context-parallel-style batch): the post-pass is **"
+        + " / ".join(f"{p:.2g}%" for _, p in pcts)
+        + " of `fused_attn_bwd` at "
+        + " / ".join(n for n, _ in pcts)
+        + " tokens**"
+    ]
+    if xs:
+        parts.append(f"within {_range(xs, '.1f')}x of the time it takes to write the zeros")
+    if over:
+        parts.append(f"the wrapper adds {_range(over, '.0f')} us of host time per call to TE's")
+    if passes:
+        parts.append(
+            f"and on a fixed cuDNN (>= 9.18) it passes straight through ({max(passes):.1f} us "
+            "at most, no device work)"
+        )
+    return ", ".join(parts) + "."
+
+
+def _range(xs: Sequence[float], fmt: str) -> str:
+    lo, hi = format(min(xs), fmt), format(max(xs), fmt)
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def replace_block(text: str, markers: Sequence[str], body: str, indent: str = "") -> str:
+    """``text`` with what lies between the two markers replaced by ``body``; ``indent``
+    prefixes each new line (the README's headline sits inside a list item)."""
+    begin, end = markers
+    if begin not in text or end not in text:
+        raise ValueError(f"markers {begin} ... {end} not found")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    lines = "\n".join(indent + line if line else line for line in body.rstrip().splitlines())
+    return f"{head}{begin}\n{lines}\n{indent}{end}{tail}"
+
+
+def load(paths: Sequence[str]) -> List[Dict[str, Any]]:
+    reports = []
+    for p in paths:
+        try:
+            reports.append(json.loads(Path(p).read_text()))
+        except (OSError, ValueError) as exc:
+            print(f"bench_report: skipping {p}: {exc}", file=sys.stderr)
+    return reports
+
+
+def markdown(report: Dict[str, Any]) -> str:
+    """bench.md of one run (what bench_postpass.py writes next to bench.json)."""
+    return "# te-gqa-fix post-pass benchmark\n\n" + results_block([report])
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("bench_json", nargs="+")
+    p.add_argument("--md", help="write the combined tables here")
+    p.add_argument("--doc", help="rewrite the results block of this docs/performance.md")
+    p.add_argument("--readme", help="rewrite the headline block of this README.md")
+    a = p.parse_args(argv)
+    reports = load(a.bench_json)
+    if not reports:
+        return 1
+    block = results_block(reports)
+    if a.md:
+        Path(a.md).write_text("# te-gqa-fix post-pass benchmark\n\n" + block)
+    if a.doc:
+        path = Path(a.doc)
+        path.write_text(replace_block(path.read_text(), RESULTS, block))
+    if a.readme:
+        path = Path(a.readme)
+        text = textwrap.fill(headline(reports), width=90, break_on_hyphens=False)
+        path.write_text(replace_block(path.read_text(), HEADLINE, text, indent="  "))
+    print(block)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,522 @@
+"""The wrapper's hot path (issue 12): one check per call shape, the fixed-cuDNN
+pass-through, a plan cache keyed on everything it depends on, and the direct Triton launch.
+
+No timing here: the host cost is measured by benchmarks/host_cpu.py (CPU) and
+benchmarks/bench_postpass.py (GPU). These tests pin the behaviour that makes the fast path
+safe: what is cached, what is still checked on every call, and the fallbacks.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any, Dict, List, Optional, Tuple
+
+import pytest
+import torch
+
+from fakes.oracle import assert_rows, bits, expected_keep, make_ragged
+from fakes.te_outputs import FakeTE, call_arguments
+from te_gqa_fix import guard, postpass, triton_postpass
+from te_gqa_fix import wrapper as wrapper_module
+from te_gqa_fix._logging import _reset_log_once
+from te_gqa_fix.masks import key_span
+from te_gqa_fix.wrapper import call_counts, make_wrapper, reset_call_counts
+
+RAGGED = make_ragged(
+    [(3, 5), (0, 4), (4, 0), (2, 2), (5, 3)],
+    gaps_q=[1, 0, 2, 1, 0],
+    gaps_kv=[2, 1, 0, 1, 1],
+    lead_q=1,
+    lead_kv=2,
+    tail_q=2,
+    tail_kv=3,
+)
+OTHER = make_ragged([(0, 6), (2, 3), (1, 1)], gaps_kv=[1, 0, 2], lead_kv=1, tail_kv=2)
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TE_GQA_FIX", raising=False)
+    monkeypatch.delenv("TE_GQA_FIX_VALIDATE", raising=False)
+    reset_call_counts()
+    _reset_log_once()
+
+
+def _count_checks(monkeypatch: pytest.MonkeyPatch) -> List[Tuple[str, ...]]:
+    """Record every check_metadata call, wherever the package calls it from."""
+    from te_gqa_fix import validation
+
+    seen: List[Tuple[str, ...]] = []
+    real = validation.check_metadata
+
+    def counting(*args: Any, **kwargs: Any) -> None:
+        seen.append(tuple(kwargs.get("names", ("dq", "dk", "dv"))))
+        real(*args, **kwargs)
+
+    for module in (wrapper_module, postpass, triton_postpass):
+        if hasattr(module, "check_metadata"):
+            monkeypatch.setattr(module, "check_metadata", counting)
+    return seen
+
+
+def _check(fake: FakeTE, out: Any, ragged: Any, mask: str, window: Any, brd: Any) -> None:
+    keep_q, keep_kv = expected_keep(ragged, mask, window, brd)
+    outputs = fake.backend.outputs
+    if "dkv" in outputs:
+        after, before = outputs["dkv"]
+        assert_rows(after, before, keep_kv, "dkv buffer")
+    for name in ("dk", "dv"):
+        after, before = outputs[name]
+        assert_rows(after, before, keep_kv, name)
+    after, before = outputs["dq"]
+    assert_rows(after, before, keep_q, "dq")
+
+
+# --------------------------------------------------------------------- validation
+
+
+def test_metadata_checked_once_per_call_shape_not_per_layer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """First call: one check (the wrapper's, of q/k/v and the offsets), none in the
+    post-pass; later calls with new offset tensors of the same metadata: none."""
+    seen = _count_checks(monkeypatch)
+    fake = FakeTE("2.20")
+    wrapped = make_wrapper(fake.fn)
+    for i in range(4):
+        fake.backend.reset()
+        arguments = call_arguments("2.20", RAGGED)  # new tensors every call, as in training
+        out = wrapped(**arguments)
+        _check(fake, out, RAGGED, "padding_causal", (-1, -1), None)
+        assert len(seen) == 1, (i, seen)
+    assert seen == [("q", "k", "v")]
+    assert call_counts()["fixed"] == 4
+
+
+def test_new_offset_tensors_are_still_checked_on_every_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The cache compares each call's offset metadata: int64 offsets after a good call
+    raise the same ValueError as on a first call, and a wrong length too."""
+    fake = FakeTE("2.20")
+    wrapped = make_wrapper(fake.fn)
+    wrapped(**call_arguments("2.20", RAGGED))
+    bad = call_arguments("2.20", RAGGED, offsets_dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q: expected dtype torch\.int32"):
+        wrapped(**bad)
+    short = call_arguments("2.20", RAGGED)
+    short["cu_seqlens_kv"] = short["cu_seqlens_kv"][:-1]
+    with pytest.raises(ValueError, match="cu_seqlens_kv: expected 6 offsets"):
+        wrapped(**short)
+    # ... and the good shape still works afterwards (the bad calls were not cached).
+    fake.backend.reset()
+    out = wrapped(**call_arguments("2.20", RAGGED))
+    _check(fake, out, RAGGED, "padding_causal", (-1, -1), None)
+
+
+def test_public_zero_dead_rows_still_validates(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = _count_checks(monkeypatch)
+    cu = torch.tensor([0, 2, 4], dtype=torch.int32)
+    dk = torch.zeros(4, 1, 2)
+    postpass.zero_dead_rows(None, dk, dk.clone(), cu, cu, impl="torch")
+    postpass.zero_dead_rows(None, dk, dk.clone(), cu, cu, impl="torch")
+    assert len(seen) == 2
+    with pytest.raises(ValueError, match="cu_seqlens_kv"):
+        postpass.zero_dead_rows(None, dk, dk.clone(), cu, cu.to(torch.int64), impl="torch")
+
+
+# --------------------------------------------------------------------- pass-through
+
+
+def _on_cuda_device_0(monkeypatch: pytest.MonkeyPatch, fixed: bool) -> List[tuple]:
+    """Make the wrapper believe q is on CUDA device 0 with a fixed (or affected) cuDNN."""
+    guards: List[tuple] = []
+    monkeypatch.setattr(wrapper_module, "_device_index", lambda q: 0)
+    monkeypatch.setattr(wrapper_module, "cudnn_fixed", lambda index: fixed and index == 0)
+    monkeypatch.setattr(wrapper_module, "check_head_dims", lambda *a: guards.append(a))
+    return guards
+
+
+def test_auto_passes_through_on_fixed_cudnn(monkeypatch: pytest.MonkeyPatch) -> None:
+    guards = _on_cuda_device_0(monkeypatch, fixed=True)
+    ran: List[int] = []
+    monkeypatch.setattr(wrapper_module, "zero_dead_rows_prechecked", lambda *a, **k: ran.append(1))
+    fake = FakeTE("2.20")
+    wrapped = make_wrapper(fake.fn)
+    for _ in range(3):
+        fake.backend.reset()
+        out = wrapped(**call_arguments("2.20", RAGGED))
+        assert out is fake.backend.returned
+        for name, (after, before) in fake.backend.outputs.items():
+            assert torch.equal(bits(after), bits(before)), f"{name} was modified"
+    assert ran == [] and guards == []
+    assert call_counts() == {"calls": 3, "fixed": 0, "skipped": 3, "passthrough": 0}
+
+
+def test_always_still_runs_the_post_pass_on_fixed_cudnn(monkeypatch: pytest.MonkeyPatch) -> None:
+    guards = _on_cuda_device_0(monkeypatch, fixed=True)
+    monkeypatch.setenv("TE_GQA_FIX", "always")
+    fake = FakeTE("2.20")
+    out = make_wrapper(fake.fn)(**call_arguments("2.20", RAGGED))
+    _check(fake, out, RAGGED, "padding_causal", (-1, -1), None)
+    assert call_counts()["fixed"] == 1
+    assert guards == [(0, 3, 3)]
+
+
+def test_auto_runs_the_post_pass_and_guard_on_affected_cudnn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Not fixed: the post-pass runs and the head-dim guard is asked on every call
+    (a dict lookup after the first), also on cached call shapes."""
+    guards = _on_cuda_device_0(monkeypatch, fixed=False)
+    fake = FakeTE("2.20")
+    wrapped = make_wrapper(fake.fn)
+    for _ in range(3):
+        fake.backend.reset()
+        out = wrapped(**call_arguments("2.20", RAGGED))
+        _check(fake, out, RAGGED, "padding_causal", (-1, -1), None)
+    assert guards == [(0, 3, 3)] * 3
+
+
+def test_guard_strict_raises_on_cached_call_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wrapper_module, "_device_index", lambda q: 0)
+    monkeypatch.setattr(wrapper_module, "cudnn_fixed", lambda index: False)
+    monkeypatch.setitem(guard._decisions, (0, 3, 3), None)
+    fake = FakeTE("2.20")
+    wrapped = make_wrapper(fake.fn)
+    wrapped(**call_arguments("2.20", RAGGED))  # cached as fine
+    monkeypatch.setitem(guard._decisions, (0, 3, 3), "unrepairable here")
+    monkeypatch.setenv("TE_GQA_FIX_GUARD", "strict")
+    with pytest.raises(guard.UnrepairableConfiguration, match="unrepairable here"):
+        wrapped(**call_arguments("2.20", RAGGED))
+
+
+# --------------------------------------------------------------------- plan cache
+
+
+CHANGES: List[Dict[str, Any]] = [
+    dict(),
+    dict(attn_mask_type="padding_causal_bottom_right"),
+    dict(attn_mask_type="padding", window_size=(1, 0), bottom_right_diagonal=True),
+    dict(attn_mask_type="padding", window_size=[1, 0], bottom_right_diagonal=False),
+    dict(attn_mask_type="padding", window_size=(0, 2), bottom_right_diagonal=False),
+    dict(layout="thd_t2hd"),
+    dict(layout="thd_th2d", attn_mask_type="padding_causal_bottom_right"),
+    dict(ragged=OTHER),
+    dict(ragged=OTHER, heads_q=6, heads_kv=3, head_dim=5),
+    dict(),
+]
+
+
+@pytest.mark.parametrize("version", ["2.8", "2.20"])
+def test_plan_follows_every_change_between_calls(version: str) -> None:
+    """One wrapper, one call after another with the mask, window, diagonal flag, layout,
+    batch or shapes changed: each call's rows match the oracle (a stale plan would not)."""
+    fake = FakeTE(version)
+    wrapped = make_wrapper(fake.fn)
+    for change in CHANGES:
+        change = dict(change)
+        ragged = change.pop("ragged", RAGGED)
+        if version == "2.8":
+            change.pop("bottom_right_diagonal", None)
+        fake.backend.reset()
+        arguments = call_arguments(version, ragged, **change)
+        out = wrapped(**arguments)
+        brd = change.get("bottom_right_diagonal") if version == "2.20" else None
+        window = tuple(change.get("window_size", (-1, -1)))
+        _check(fake, out, ragged, change.get("attn_mask_type", "padding_causal"), window, brd)
+
+
+def test_policy_change_between_calls_is_honoured(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeTE("2.20")
+    wrapped = make_wrapper(fake.fn)
+    mha = dict(heads_q=2, heads_kv=2)
+    wrapped(**call_arguments("2.20", RAGGED, **mha))
+    assert call_counts()["skipped"] == 1  # MHA under auto
+    monkeypatch.setenv("TE_GQA_FIX", "always")
+    fake.backend.reset()
+    out = wrapped(**call_arguments("2.20", RAGGED, **mha))
+    _check(fake, out, RAGGED, "padding_causal", (-1, -1), None)
+    monkeypatch.setenv("TE_GQA_FIX", "off")
+    fake.backend.reset()
+    wrapped(**call_arguments("2.20", RAGGED))
+    for name, (after, before) in fake.backend.outputs.items():
+        assert torch.equal(bits(after), bits(before)), name
+
+
+def test_unhashable_arguments_still_work() -> None:
+    """A window given as a list of lists-like object: decided without the cache."""
+
+    class Window(list):
+        __hash__ = None  # type: ignore[assignment]
+
+    fake = FakeTE("2.20")
+    wrapped = make_wrapper(fake.fn)
+    for _ in range(2):
+        fake.backend.reset()
+        args = call_arguments("2.20", RAGGED, attn_mask_type="padding")
+        args["window_size"] = Window([1, 0])
+        out = wrapped(**args)
+        _check(fake, out, RAGGED, "padding", (1, 0), None)
+
+
+def test_picker_reads_positional_keyword_and_default() -> None:
+    def fn(a, q, k=1, *, window_size=(-1, -1), dqkv_layout=None, qkv_layout="x"):
+        return None
+
+    binder = wrapper_module._Args(fn)
+    pick = binder.picker(("q", "k", "window_size", "layout_name", "layout", "absent"))
+    assert pick((0, "Q"), {}) == ("Q", 1, (-1, -1), "qkv_layout", "x", None)
+    assert pick((0, "Q", 2), {"window_size": (3, 4), "dqkv_layout": "thd_thd_thd"}) == (
+        "Q", 2, (3, 4), "dqkv_layout", "thd_thd_thd", None,
+    )  # fmt: skip
+    assert pick((0,), {"q": "kw"})[0] == "kw"
+
+
+# --------------------------------------------------------------------- direct launch
+
+
+class _Compiled:
+    """Stands in for Triton's CompiledKernel; records direct launches."""
+
+    function = "fn-handle"
+    packed_metadata = ("packed",)
+
+    def __init__(self, fail: bool = False) -> None:
+        self.launches: List[tuple] = []
+        self.fail = fail
+
+    def run(self, *args: Any) -> None:
+        if self.fail:
+            raise RuntimeError("launcher exploded")
+        self.launches.append(args)
+
+
+class _Kernel:
+    """Stands in for the JITFunction: ``kernel[grid](...)`` records and returns the stub."""
+
+    def __init__(self, compiled: Optional[_Compiled], arg_names: Optional[List[str]] = None):
+        self.arg_names = arg_names or list(
+            inspect.signature(triton_postpass._postpass_kernel).parameters
+        )
+        self.compiled = compiled
+        self.slow: List[tuple] = []
+
+    def __getitem__(self, grid: Any) -> Any:
+        def launch(*args: Any, **meta: Any) -> Any:
+            self.slow.append((grid, args, meta))
+            return self.compiled
+
+        return launch
+
+
+class _Hooks:
+    def __init__(self) -> None:
+        self.launch_enter_hook: Any = None
+        self.launch_exit_hook: Any = None
+
+
+def _fake_cuda(monkeypatch: pytest.MonkeyPatch, kernel: _Kernel) -> _Hooks:
+    hooks = _Hooks()
+    monkeypatch.setattr(triton_postpass, "_build", lambda: kernel)
+    monkeypatch.setattr(triton_postpass, "_current_device", lambda: 0)
+    monkeypatch.setattr(triton_postpass, "_raw_stream", lambda index: 1234)
+    monkeypatch.setattr(triton_postpass, "_runtime_knobs", hooks)
+    monkeypatch.setattr(triton_postpass, "_fast_ok", True)
+    monkeypatch.setattr(triton_postpass, "_plans", {})
+    return hooks
+
+
+def _plan_and_tensors(offset: int = 0) -> Tuple[Any, tuple]:
+    base = torch.zeros(400, dtype=torch.bfloat16)
+    dq = base[offset : offset + 20 * 4 * 4].view(20, 4, 4)
+    dk, dv = torch.zeros(20, 2, 4), torch.zeros(20, 2, 4)
+    cu = torch.tensor([0, 5, 20], dtype=torch.int32)
+    tensors = (dq, dk, dv, cu, cu, cu, cu)
+    plan = triton_postpass._plan(dq, dk, dv, True, 2, key_span("padding_causal"), (cu.dtype,) * 4)
+    plan.device_index = 0
+    return plan, tensors
+
+
+def test_direct_launch_after_first_normal_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    compiled = _Compiled()
+    kernel = _Kernel(compiled)
+    _fake_cuda(monkeypatch, kernel)
+    plan, tensors = _plan_and_tensors()
+    triton_postpass._run(plan, tensors)
+    assert len(kernel.slow) == 1 and compiled.launches == []
+    triton_postpass._run(plan, tensors)
+    triton_postpass._run(plan, tensors)
+    assert len(kernel.slow) == 1 and len(compiled.launches) == 2
+    grid, args, meta = kernel.slow[0]
+    launch = compiled.launches[0]
+    assert launch[:4] == (grid[0], grid[1], 1, 1234)
+    assert launch[4:9] == ("fn-handle", ("packed",), None, None, None)
+    # Every kernel parameter in order: what Triton's own run() hands the launcher.
+    bound = dict(zip(kernel.arg_names, (*args, *[meta[n] for n in kernel.arg_names[len(args) :]])))
+    assert launch[9:] == tuple(bound[n] for n in kernel.arg_names)
+    assert all(a is b for a, b in zip(launch[9:16], tensors))
+
+
+def test_direct_launch_keys_on_pointer_alignment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton specializes pointers on 16-byte alignment: a misaligned view must not reuse
+    the kernel compiled for aligned pointers."""
+    compiled = _Compiled()
+    kernel = _Kernel(compiled)
+    _fake_cuda(monkeypatch, kernel)
+    plan, aligned = _plan_and_tensors(0)
+    _, misaligned = _plan_and_tensors(1)  # bf16: 2 bytes off
+    assert misaligned[0].data_ptr() % 16 != 0
+    triton_postpass._run(plan, aligned)
+    triton_postpass._run(plan, misaligned)
+    assert len(kernel.slow) == 2 and compiled.launches == []
+    triton_postpass._run(plan, misaligned)
+    triton_postpass._run(plan, aligned)
+    assert len(kernel.slow) == 2 and len(compiled.launches) == 2
+
+
+def test_direct_launch_respects_hooks_and_other_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    compiled = _Compiled()
+    kernel = _Kernel(compiled)
+    hooks = _fake_cuda(monkeypatch, kernel)
+    plan, tensors = _plan_and_tensors()
+    triton_postpass._run(plan, tensors)
+
+    class Chain:
+        def __init__(self) -> None:
+            self.calls = [print]
+
+    hooks.launch_enter_hook = Chain()
+    triton_postpass._run(plan, tensors)
+    assert len(kernel.slow) == 2 and compiled.launches == []
+    hooks.launch_enter_hook = type("Empty", (), {"calls": []})()  # Triton 3.6's empty chain
+    triton_postpass._run(plan, tensors)
+    assert len(compiled.launches) == 1
+    entered: List[int] = []
+
+    class Device:
+        def __init__(self, index: int) -> None:
+            entered.append(index)
+
+        def __enter__(self) -> None:
+            return None
+
+        def __exit__(self, *exc: Any) -> None:
+            return None
+
+    monkeypatch.setattr(triton_postpass, "_current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "device", Device)
+    triton_postpass._run(plan, tensors)
+    assert len(kernel.slow) == 3 and entered == [0]
+
+
+def test_failed_direct_launch_falls_back_and_logs_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    compiled = _Compiled(fail=True)
+    kernel = _Kernel(compiled)
+    _fake_cuda(monkeypatch, kernel)
+    plan, tensors = _plan_and_tensors()
+    with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
+        for _ in range(3):
+            triton_postpass._run(plan, tensors)
+    assert len(kernel.slow) == 3  # every call still launched (Triton's path)
+    assert sum("direct Triton launch failed" in r.getMessage() for r in caplog.records) == 1
+    assert triton_postpass._fast_ok is False
+
+
+def test_unknown_kernel_signature_keeps_triton_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel whose parameters do not match the plan (say a merge added one) is never
+    launched directly: the arguments would land in the wrong slots."""
+    compiled = _Compiled()
+    names = list(inspect.signature(triton_postpass._postpass_kernel).parameters)
+    kernel = _Kernel(compiled, arg_names=[*names[:7], "flag_ptr", *names[7:]])
+    _fake_cuda(monkeypatch, kernel)
+    plan, tensors = _plan_and_tensors()
+    for _ in range(3):
+        triton_postpass._run(plan, tensors)
+    assert len(kernel.slow) == 3 and compiled.launches == []
+
+
+def test_interpreter_or_cpu_never_takes_the_direct_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    compiled = _Compiled()
+    kernel = _Kernel(compiled)
+    _fake_cuda(monkeypatch, kernel)
+    plan, tensors = _plan_and_tensors()
+    plan.device_index = -1  # CPU tensors (the interpreter)
+    for _ in range(3):
+        triton_postpass._run(plan, tensors)
+    assert len(kernel.slow) == 3 and compiled.launches == []
+
+
+def test_plan_key_separates_offset_dtypes() -> None:
+    dq, dk, dv = torch.zeros(8, 2, 4), torch.zeros(8, 1, 4), torch.zeros(8, 1, 4)
+    span = key_span("padding_causal")
+    a = triton_postpass._plan(dq, dk, dv, True, 2, span, (torch.int32,) * 4)
+    b = triton_postpass._plan(dq, dk, dv, True, 2, span, (torch.int64,) * 4)
+    c = triton_postpass._plan(dq, dk, dv, True, 2, span, (torch.int32,) * 4)
+    assert a is not b and a is c
+
+
+# --------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_gpu_wrapper_fast_path_no_sync_and_cuda_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wrapper's steady state (cached plan, direct launch) syncs nothing and replays
+    inside a captured CUDA graph; a fake original stands in for TE (no TE needed)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TE_GQA_FIX", "always")  # also on a fixed cuDNN
+    dev = "cuda"
+    rows, h_q, h_kv, d = 2048, 8, 2, 64
+    dq = torch.full((rows, h_q, d), float("nan"), device=dev, dtype=torch.bfloat16)
+    kv = torch.full((rows, 2, h_kv, d), float("nan"), device=dev, dtype=torch.bfloat16)
+    dk, dv = kv[:, 0], kv[:, 1]
+
+    def fused_attn_bwd(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v,
+                       cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
+                       qkv_layout="thd_thd_thd", attn_mask_type="padding_causal",
+                       window_size=(-1, -1)):  # fmt: skip
+        return [dq, dk, dv, None]
+
+    wrapped = make_wrapper(fused_attn_bwd)
+    i32 = dict(dtype=torch.int32, device=dev)
+    cu_q = torch.tensor([0, 0, 500, 900], **i32)
+    cu_kv = torch.tensor([0, 300, 800, 1200], **i32)
+    pad = torch.tensor([0, 512, 1024, 1536], **i32)
+    q = torch.zeros(rows, h_q, d, device=dev, dtype=torch.bfloat16)
+    k = torch.zeros(rows, h_kv, d, device=dev, dtype=torch.bfloat16)
+    kw = dict(cu_seqlens_q_padded=pad, cu_seqlens_kv_padded=pad, qkv_layout="thd_thd_thd")
+
+    def call() -> None:
+        wrapped(512, 512, cu_q, cu_kv, q, k, k, **kw)
+
+    call()
+    call()  # the second call takes the direct launch
+    torch.cuda.synchronize()
+    plans = [p for p in triton_postpass._plans.values() if p.compiled]
+    assert plans, "the direct launch was never armed"
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        call()
+        with torch.cuda.graph(graph, stream=stream):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    dq.fill_(float("nan"))
+    kv.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert bool((dk[:512] == 0).all()) and bool((dv[:512] == 0).all())  # no queries
+    assert bool(dk[512:712].isnan().all())  # attended keys untouched
+    assert bool((dk[1536:] == 0).all())  # tail
+    assert bool((dq[:512] == 0).all()) and bool(dq[512:1012].isnan().all())
