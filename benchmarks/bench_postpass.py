@@ -55,7 +55,7 @@ from te_gqa_fix import guard, triton_postpass  # noqa: E402
 from te_gqa_fix.masks import KeySpan, key_interval, key_span  # noqa: E402
 from te_gqa_fix.postpass import zero_dead_rows  # noqa: E402
 from te_gqa_fix.reproduce import call_by_name  # noqa: E402
-from te_gqa_fix.wrapper import make_wrapper  # noqa: E402
+from te_gqa_fix.wrapper import wrapper_for  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_report  # noqa: E402
@@ -354,7 +354,7 @@ class TE:
         self.module = fa
         self.fwd = fa.fused_attn_fwd
         self.original = find_original(fa)
-        self.wrapper = make_wrapper(self.original)
+        self.wrapper = wrapper_for(self.original)
         self.backend = fa.FusedAttnBackend["F16_arbitrary_seqlen"]
 
 

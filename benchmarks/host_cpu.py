@@ -31,7 +31,7 @@ if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
 from te_gqa_fix import guard, triton_postpass  # noqa: E402
-from te_gqa_fix.wrapper import make_wrapper  # noqa: E402
+from te_gqa_fix.wrapper import wrapper_for  # noqa: E402
 
 
 def fake_original(rows: int, h_q: int, h_kv: int, d: int) -> Callable[..., Any]:
@@ -127,7 +127,7 @@ def main() -> int:
     stub_triton()
     rows, h_q, h_kv, d = 64, 8, 2, 16
     original = fake_original(rows, h_q, h_kv, d)
-    wrapped = make_wrapper(original)
+    wrapped = wrapper_for(original)
     i32 = dict(dtype=torch.int32)
     kw: Dict[str, Any] = dict(
         max_seqlen_q=32, max_seqlen_kv=32,

@@ -21,7 +21,8 @@ from te_gqa_fix import guard, postpass, triton_postpass
 from te_gqa_fix import wrapper as wrapper_module
 from te_gqa_fix._logging import _reset_log_once
 from te_gqa_fix.masks import key_span
-from te_gqa_fix.wrapper import call_counts, make_wrapper, reset_call_counts
+from te_gqa_fix.wrapper import _new_wrapper as make_wrapper
+from te_gqa_fix.wrapper import call_counts, reset_call_counts
 
 RAGGED = make_ragged(
     [(3, 5), (0, 4), (4, 0), (2, 2), (5, 3)],
