@@ -307,8 +307,12 @@ def stack_info(args: argparse.Namespace, world: int, cp: int) -> Dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "gpu": torch.cuda.get_device_name(),
-        "capability": ".".join(map(str, torch.cuda.get_device_capability())),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "capability": (
+            ".".join(map(str, torch.cuda.get_device_capability()))
+            if torch.cuda.is_available()
+            else None
+        ),
         "world_size": world,
         "cp_size": cp,
         "argv": sys.argv,
@@ -337,8 +341,19 @@ def stack_info(args: argparse.Namespace, world: int, cp: int) -> Dict[str, Any]:
     return info
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(
+    argv: Optional[Sequence[str]] = None,
+    *,
+    device: str = "cuda",
+    dist_backend: str = "nccl",
+    layer_spec: Any = None,
+    half: bool = True,
+) -> int:
+    """The training run. The keyword arguments exist for the CPU dry run of the test suite
+    (``device="cpu"``, ``dist_backend="gloo"``, a non-TE ``layer_spec``, ``half=False``: fp32);
+    their defaults are the real run: CUDA, NCCL, TE's layer spec, bf16."""
     args = build_parser().parse_args(argv)
+    cuda = device == "cuda"
     # INFO before anything imports TE: the start-up hook (if enabled) logs there.
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)
@@ -352,9 +367,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-    from megatron.core.extensions.transformer_engine import TEDotProductAttention
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -364,11 +377,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core.utils import get_batch_on_this_cp_rank
 
+    if layer_spec is None:
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        layer_spec = get_gpt_layer_with_transformer_engine_spec()
+    if args.poison and not cuda:
+        raise SystemExit("--poison needs CUDA")
+
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
+    if cuda:
+        torch.cuda.set_device(local_rank)
     dist.init_process_group(
-        "nccl",
-        device_id=torch.device("cuda", local_rank),
+        dist_backend,
+        device_id=torch.device("cuda", local_rank) if cuda else None,
         timeout=datetime.timedelta(seconds=300),
     )
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -385,7 +408,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.micro_batches % dp:
         raise SystemExit(f"--micro-batches {args.micro_batches} must be a multiple of dp {dp}")
     torch.manual_seed(args.seed)
-    model_parallel_cuda_manual_seed(args.seed)
+    if cuda:
+        model_parallel_cuda_manual_seed(args.seed)
+    dtype = torch.bfloat16 if half else torch.float32
 
     config = TransformerConfig(
         num_layers=args.layers,
@@ -400,24 +425,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16,
+        bf16=half,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
         context_parallel_size=cp,
         cp_comm_type=args.cp_comm,
         calculate_per_token_loss=True,
         attention_backend=AttnBackend.fused,
+        use_cpu_initialization=not cuda,
     )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(),
+        transformer_layer_spec=layer_spec,
         vocab_size=args.vocab,
         max_sequence_length=args.seq_length,
         position_embedding_type="rope",
         share_embeddings_and_output_weights=False,
     )
-    model.cuda(torch.cuda.current_device())
-    model = Float16Module(config, model)
+    if cuda:
+        model.cuda(torch.cuda.current_device())
+    if half:
+        model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
     )
@@ -427,8 +455,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             optimizer="adam",
             lr=args.lr,
             weight_decay=0.0,
-            bf16=True,
-            params_dtype=torch.bfloat16,
+            bf16=half,
+            params_dtype=dtype,
             clip_grad=args.clip_grad,
             use_distributed_optimizer=False,
         ),
@@ -442,6 +470,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     params = [p for _, p in named]
 
     if args.poison:
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
         poison = make_poison(
             args.poison_log2,
             64,
@@ -466,7 +496,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     pad_multiple = pad_multiple_for(cp, args.pad_multiple)
     dataset = make_dataset(args.seed, args.num_bins, args.seq_length, args.vocab, pad_multiple)
-    dev = torch.device("cuda", torch.cuda.current_device())
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device(device)
 
     def to_batch(sample: Dict[str, Any]) -> Dict[str, Any]:
         """A Megatron batch dict on the GPU, then this CP rank's share of it."""
