@@ -218,20 +218,3 @@ def reset_runtime_facts() -> None:
     """Forget the cached facts (tests; or after loading another cuDNN by hand)."""
     with _facts_lock:
         _facts.clear()
-
-
-def cudnn_builds_report() -> List[Dict[str, Any]]:
-    """Every cuDNN build on disk, as plain dicts (path, version, origin, fixed)."""
-    from .cudnn import find_builds
-
-    return [
-        {
-            "lib_dir": b.lib_dir,
-            "version": b.version_str,
-            "origin": b.origin,
-            "how": b.how,
-            "distribution": b.distribution,
-            "fixed": b.fixed,
-        }
-        for b in find_builds()
-    ]
