@@ -19,7 +19,7 @@ import os
 import subprocess
 import threading
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from .cudnn import decode_cudnn_version, mapped_cudnn_libraries
 
