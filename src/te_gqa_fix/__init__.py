@@ -10,11 +10,13 @@ Importing it has no side effects and does not import Transformer Engine.
 * ``te_gqa_fix.fused_attn_bwd``: drop-in for TE's function.
 * ``te_gqa_fix.install()`` / ``uninstall()`` / ``patched()``: reroute TE's own call sites.
 * ``te_gqa_fix.zero_dead_rows``: the post-pass on plain tensors, for other kernels.
+* ``te_gqa_fix.check_offset_errors()``: raise if a CUDA call saw impossible offsets.
 """
 
 from __future__ import annotations
 
 from .masks import KNOWN_MASK_TYPES, key_interval, key_span
+from .offset_errors import OffsetsError, check_offset_errors
 from .patch import install, is_installed, patched, uninstall
 from .policy import get_policy
 from .postpass import DeadRows, dead_row_masks, zero_dead_rows
@@ -26,8 +28,10 @@ __version__ = "0.1.0"
 __all__ = [
     "KNOWN_MASK_TYPES",
     "DeadRows",
+    "OffsetsError",
     "__version__",
     "call_counts",
+    "check_offset_errors",
     "dead_row_masks",
     "fused_attn_bwd",
     "get_policy",

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 from ._logging import log_once, logger
 from .policy import get_policy
-from .postpass import zero_dead_rows
+from .postpass import zero_dead_rows_from_te
 from .validation import check_metadata, shape_of
 
 __all__ = [
@@ -197,7 +197,7 @@ def _apply(plan: _Plan, out: object) -> None:
         )
         return
     dq, dk, dv = out[0], out[1], out[2]
-    zero_dead_rows(dq if plan.fix_q else None, dk, dv, **plan.kwargs)
+    zero_dead_rows_from_te(dq if plan.fix_q else None, dk, dv, **plan.kwargs)
     _counts["fixed"] += 1
 
 
