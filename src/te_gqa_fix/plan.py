@@ -233,7 +233,8 @@ def build_plan(inp: PlanInput) -> Plan:
     assert t_cu_q is not None and t_cu_kv is not None
     check_values(rows_q, rows_kv, t_cu_q, t_cu_kv, t_pad_q, t_pad_kv)
 
-    window = tuple(inp.window_size)
+    # None is TE's "no window"; check_input has vetted the rest.
+    window = (-1, -1) if inp.window_size is None else tuple(inp.window_size)
     span = key_span(inp.attn_mask_type, window, inp.bottom_right_diagonal)
     # The rows: exactly what the post-pass computes.
     dead = dead_row_masks(
