@@ -215,7 +215,7 @@ def test_a_recorded_error_surfaces_at_the_next_call_and_is_cleared() -> None:
     _unchanged(before, [dq, dk, dv])
     zero_dead_rows(dq, dk, dv, **OFFS, impl="torch")  # type: ignore[arg-type]
     word[0] = offset_errors.ARGUMENT_BITS["cu_seqlens_q"]
-    with pytest.raises(OffsetsError, match="^cu_seqlens_q: impossible offsets in a te-gqa-fix"):
+    with pytest.raises(OffsetsError, match=r"^cu_seqlens_q: impossible offsets in a te-gqa-fix"):
         te_gqa_fix.check_offset_errors("cpu")
     te_gqa_fix.check_offset_errors()  # cleared
 
@@ -225,7 +225,7 @@ def test_the_wrapper_surfaces_a_recorded_error() -> None:
     wrapped = make_wrapper(fake.fn)
     ragged = make_ragged([(2, 3), (0, 2)], gaps_kv=[1, 0])
     offset_errors.kernel_flag(torch.device("cpu"))[0] = 2
-    with pytest.raises(OffsetsError, match="^cu_seqlens_kv: impossible offsets"):
+    with pytest.raises(OffsetsError, match=r"^cu_seqlens_kv: impossible offsets"):
         wrapped(**call_arguments("2.20", ragged))
     wrapped(**call_arguments("2.20", ragged))
 
@@ -270,7 +270,7 @@ def test_arbitrary_mask_is_the_explicit_conservative_set() -> None:
     dq, dk, dv = _grads(ragged.rows_q, ragged.rows_kv)
     before = dk.clone()
     zero_dead_rows(dq, dk, dv, *ragged.tensors(), attn_mask_type="arbitrary")
-    keep_q, keep_kv = expected_keep(ragged, "arbitrary")
+    _, keep_kv = expected_keep(ragged, "arbitrary")
     assert keep_kv[:4] == [True] * 4
     assert_rows(dk, before, keep_kv, "dk")
 
@@ -394,9 +394,9 @@ def test_cli_takes_negative_offsets_and_names_them(capsys: pytest.CaptureFixture
 
 
 def test_build_plan_names_malformed_fields() -> None:
-    with pytest.raises(ValueError, match="^bottom_right_diagonal: expected"):
+    with pytest.raises(ValueError, match=r"^bottom_right_diagonal: expected"):
         build_plan(PlanInput((0, 3), (0, 6), bottom_right_diagonal="false"))  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="^rows_kv: expected a number of rows >= 0"):
+    with pytest.raises(ValueError, match=r"^rows_kv: expected a number of rows >= 0"):
         build_plan(PlanInput((0, 3), (0, 6), rows_kv=-1))
 
 
