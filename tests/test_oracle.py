@@ -104,6 +104,15 @@ def mask_args(draw: st.DrawFn, masks: Tuple[object, ...] = MASKS):
     return mask, window, brd
 
 
+def _strict_ok(mask: object, window: object) -> bool:
+    """Whether the public API accepts these mask arguments (else ValueError, issue #13)."""
+    mask_ok = isinstance(mask, str) and (mask in KNOWN or mask == "arbitrary")
+    window_ok = window is None or (
+        isinstance(window, tuple) and len(window) == 2 and all(w >= -1 for w in window)
+    )
+    return mask_ok and window_ok
+
+
 def _random_rows(shape: Tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     return (torch.randn(shape, generator=gen, dtype=torch.float64) * 3).to(dtype)
 
@@ -182,6 +191,13 @@ def test_zero_set_matches_brute_force_oracle(
     )
     before = {name: t.clone() for name, t in checked.items()}
     cu_q, cu_kv, pad_q, pad_kv = ragged.tensors()
+    if not _strict_ok(mask, window):
+        with pytest.raises(ValueError, match=r"^(attn_mask_type|window_size): expected"):
+            zero_dead_rows(dq, dk, dv, cu_q, cu_kv, pad_q, pad_kv, attn_mask_type=mask,
+                           window_size=window, bottom_right_diagonal=brd)  # fmt: skip
+        for name, t in checked.items():
+            assert torch.equal(bits(t), bits(before[name])), "bad input must change nothing"
+        return
 
     zero_dead_rows(
         dq if with_dq else None,
@@ -216,6 +232,11 @@ def test_dead_row_masks_match_oracle(ragged: Ragged, masks, with_q_rows: bool) -
     mask, window, brd = masks
     keep_q, keep_kv = expected_keep(ragged, mask, window, brd)
     cu_q, cu_kv, pad_q, pad_kv = ragged.tensors()
+    if not _strict_ok(mask, window):
+        with pytest.raises(ValueError, match=r"^(attn_mask_type|window_size): expected"):
+            dead_row_masks(cu_q, cu_kv, pad_q, pad_kv, rows_q=None, rows_kv=ragged.rows_kv,
+                           attn_mask_type=mask, window_size=window)  # fmt: skip
+        return
     dead = dead_row_masks(
         cu_q,
         cu_kv,
@@ -450,6 +471,8 @@ def test_rows_with_nonzero_true_gradient_are_never_zeroed(
     ragged: Ragged, masks, heads_kv: int, group: int, seed: int
 ) -> None:
     mask, window, brd = masks
+    if not _strict_ok(mask, window):  # the public API refuses these (tested above)
+        window = (-1, -1)
     heads_q, head_dim = heads_kv * group, 3
     true_dq, true_dk, true_dv = _reference_backward(
         ragged, mask, window, brd, heads_q, heads_kv, head_dim, seed

@@ -269,6 +269,7 @@ def test_patch_check_fails_when_a_consumer_is_missed(
 ROOT_API = {
     "__version__",
     "call_counts",
+    "check_offset_errors",
     "fused_attn_bwd",
     "get_te_version",
     "install",

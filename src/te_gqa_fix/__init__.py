@@ -14,6 +14,7 @@ torch is imported, as it must.
 * ``te_gqa_fix.install()`` / ``uninstall()`` / ``patched()``: reroute TE's own call sites.
 * ``te_gqa_fix.zero_dead_rows``: the post-pass on plain tensors, for other kernels.
 * ``te_gqa_fix.use_fixed_cudnn()``: load a fixed cuDNN (>= 9.18) before torch and TE.
+* ``te_gqa_fix.check_offset_errors()``: raise if a CUDA call saw impossible offsets.
 """
 
 from __future__ import annotations
@@ -37,11 +38,13 @@ _LAZY: Dict[str, str] = {
     "fused_attn_bwd": "wrapper",
     "reset_call_counts": "wrapper",
     "use_fixed_cudnn": "cudnn",
+    "check_offset_errors": "offset_errors",
 }
 
 __all__ = [
     "__version__",
     "call_counts",
+    "check_offset_errors",
     "fused_attn_bwd",
     "get_te_version",
     "install",
@@ -55,6 +58,7 @@ __all__ = [
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .cudnn import use_fixed_cudnn
+    from .offset_errors import check_offset_errors
     from .patch import install, is_installed, patched, uninstall
     from .postpass import zero_dead_rows
     from .te_compat import get_te_version

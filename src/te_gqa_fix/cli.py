@@ -18,9 +18,18 @@ from typing import List, Optional, Sequence
 
 from . import __version__
 
-# Options whose value may start with "-" (``--window -1,-1``): argparse would read such a
-# value as an option, so ``--window -1,-1`` is rewritten to ``--window=-1,-1``.
-_SIGNED_LIST_OPTIONS = ("--window",)
+# Options whose value may start with "-" (``--window -1,-1``, ``--cu-seqlens-q -1,0,3``):
+# argparse would read such a value as an option, so it is rewritten to ``--window=-1,-1``.
+# Offsets are included so a negative one reaches the check that names it (exit 2).
+_SIGNED_LIST_OPTIONS = (
+    "--window",
+    "--cu-seqlens-q",
+    "--cu-seqlens-kv",
+    "--padded-q",
+    "--padded-kv",
+    "--rows-q",
+    "--rows-kv",
+)
 
 
 def _join_signed_values(argv: Sequence[str]) -> List[str]:
@@ -118,8 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="TYPE",
         help="attn_mask_type (default padding_causal): padding, no_mask, padding_causal, "
-        "causal, padding_causal_bottom_right, causal_bottom_right; others are treated "
-        "conservatively",
+        "causal, padding_causal_bottom_right, causal_bottom_right, or arbitrary (keep every "
+        "valid key of a sequence with queries); anything else is an error",
     )
     plan.add_argument(
         "--window", type=_window, default=None, metavar="L,R", help="window_size (default -1,-1)"
@@ -145,7 +154,11 @@ def _plan_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
     try:
         if args.file:
-            text = sys.stdin.read() if args.file == "-" else open(args.file).read()
+            if args.file == "-":
+                text = sys.stdin.read()
+            else:
+                with open(args.file) as f:
+                    text = f.read()
             inp = plan_from_json(text)
             overrides = {
                 "cu_seqlens_q": args.cu_seqlens_q,

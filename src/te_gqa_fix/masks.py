@@ -18,6 +18,7 @@ causal mask's name) both alignments are kept, which can only keep more rows, nev
 from __future__ import annotations
 
 import logging
+import operator
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
@@ -63,39 +64,90 @@ CONSERVATIVE = KeySpan(
 )
 
 
+#: TE mask names whose attended keys te-gqa-fix does not model: the conservative set
+#: (every valid key of a sequence with queries) is exact for them.
+CONSERVATIVE_MASK_TYPES: Tuple[str, ...] = ("arbitrary",)
+
+
 def _window_pair(window_size: Optional[Sequence[int]]) -> Optional[Tuple[int, int]]:
     if window_size is None:
         return (-1, -1)
+    if isinstance(window_size, (str, bytes)):
+        return None
     try:
-        left, right = (int(window_size[0]), int(window_size[1]))
+        if len(window_size) != 2:
+            return None
+        left, right = (operator.index(window_size[0]), operator.index(window_size[1]))
     except (TypeError, ValueError, IndexError):
+        return None
+    if isinstance(window_size[0], bool) or isinstance(window_size[1], bool):
         return None
     if left < -1 or right < -1:
         return None
     return (left, right)
 
 
+def check_mask_arguments(
+    attn_mask_type: object, window_size: object, bottom_right_diagonal: object
+) -> None:
+    """Raise ``ValueError`` naming the argument when TE's mask arguments are malformed.
+
+    The public API treats what it does not understand as bad input: a misspelled mask
+    name silently widening the kept set would hide a caller's mistake.
+    """
+    if not isinstance(attn_mask_type, str) or (
+        attn_mask_type not in _KNOWN_MASKS and attn_mask_type not in CONSERVATIVE_MASK_TYPES
+    ):
+        names = ", ".join((*KNOWN_MASK_TYPES, *CONSERVATIVE_MASK_TYPES))
+        raise ValueError(
+            f"attn_mask_type: expected one of {names} (TE's names; 'arbitrary' keeps every "
+            f"valid key of a sequence with queries), got {attn_mask_type!r}"
+        )
+    if _window_pair(window_size) is None:  # type: ignore[arg-type]
+        raise ValueError(
+            "window_size: expected None or (left, right), two integers >= -1 "
+            f"(-1 = unbounded), got {window_size!r}"
+        )
+    if bottom_right_diagonal is not None and not isinstance(bottom_right_diagonal, bool):
+        raise ValueError(
+            "bottom_right_diagonal: expected True, False or None (by mask name), got "
+            f"{bottom_right_diagonal!r}"
+        )
+
+
 def key_span(
     attn_mask_type: Optional[str],
     window_size: Optional[Sequence[int]] = (-1, -1),
     bottom_right_diagonal: Optional[bool] = None,
+    *,
+    strict: bool = False,
 ) -> KeySpan:
     """Reduce TE's mask arguments to a :class:`KeySpan`.
 
     ``bottom_right_diagonal`` is TE's argument of that name (TE >= 2.10); ``None`` means
     "by mask name", which is what every older TE does for the cuDNN backend.
-    Unknown masks or windows give :data:`CONSERVATIVE` and are logged once.
+    ``strict`` (the public post-pass): malformed arguments raise ``ValueError`` naming
+    the argument (:func:`check_mask_arguments`). Otherwise (what the wrapper passes on
+    from TE, which validates masks itself) they give :data:`CONSERVATIVE`, logged once
+    at WARNING. ``'arbitrary'`` gives :data:`CONSERVATIVE` either way.
     """
+    if strict:
+        check_mask_arguments(attn_mask_type, window_size, bottom_right_diagonal)
+    if attn_mask_type in CONSERVATIVE_MASK_TYPES:
+        return CONSERVATIVE
     known = _KNOWN_MASKS.get(attn_mask_type) if isinstance(attn_mask_type, str) else None
     window = _window_pair(window_size)
-    if known is None or window is None:
+    brd_ok = bottom_right_diagonal is None or isinstance(bottom_right_diagonal, bool)
+    if known is None or window is None or not brd_ok:
         log_once(
-            ("mask", attn_mask_type, None if window is None else tuple(window)),
-            logging.INFO,
-            "te_gqa_fix: attn_mask_type=%r window_size=%r not understood; zeroing only rows "
-            "outside sequences and rows of sequences without queries (exact for every mask)",
+            ("mask", repr(attn_mask_type), repr(window_size), repr(bottom_right_diagonal)),
+            logging.WARNING,
+            "te_gqa_fix: attn_mask_type=%r window_size=%r bottom_right_diagonal=%r not "
+            "understood; zeroing only rows outside sequences and rows of sequences without "
+            "queries (exact for every mask)",
             attn_mask_type,
             window_size,
+            bottom_right_diagonal,
         )
         return CONSERVATIVE
     causal, br_by_name = known

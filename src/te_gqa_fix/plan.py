@@ -2,7 +2,7 @@
 
 Before trusting a fix that writes zeros into gradients, a user should be able to see
 exactly which rows it will touch for their own batch layout (context-parallel steps,
-padding, sliding windows). The rows come from :func:`te_gqa_fix.dead_row_masks`, the very
+padding, sliding windows). The rows come from :func:`te_gqa_fix.postpass.dead_row_masks`, the very
 function the post-pass uses, so this report cannot drift from what the fix does; the
 reason for each row comes from :func:`te_gqa_fix.masks.key_interval` and the offsets. A
 row whose reason disagrees with the mask is reported as ``inconsistent`` (a bug to
@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .masks import KeySpan, key_interval, key_span
+from .masks import KeySpan, check_mask_arguments, key_interval, key_span
 from .postpass import dead_row_masks
 from .validation import check_values
 
@@ -28,6 +28,7 @@ __all__ = [
     "Run",
     "SequencePlan",
     "build_plan",
+    "check_input",
     "format_plan",
     "plan_from_json",
 ]
@@ -206,7 +207,8 @@ def _span_dict(span: KeySpan) -> Dict[str, Any]:
 
 
 def build_plan(inp: PlanInput) -> Plan:
-    """Work out the plan; raises ValueError on offsets that cannot be right."""
+    """Work out the plan; raises ValueError naming the field on input that cannot be right."""
+    check_input(inp)
     cu_q, cu_kv = list(inp.cu_seqlens_q), list(inp.cu_seqlens_kv)
     pad_q = list(inp.cu_seqlens_q_padded) if inp.cu_seqlens_q_padded is not None else cu_q
     pad_kv = list(inp.cu_seqlens_kv_padded) if inp.cu_seqlens_kv_padded is not None else cu_kv
@@ -223,14 +225,16 @@ def build_plan(inp: PlanInput) -> Plan:
             )
     rows_q = inp.rows_q if inp.rows_q is not None else pad_q[-1]
     rows_kv = inp.rows_kv if inp.rows_kv is not None else pad_kv[-1]
-    if rows_q < 0 or rows_kv < 0:
-        raise ValueError("rows_q/rows_kv: expected a number of rows >= 0")
+    for name, rows in (("rows_q", rows_q), ("rows_kv", rows_kv)):
+        if rows < 0:  # only reachable from a negative last offset
+            raise ValueError(f"{name}: expected a number of rows >= 0, got {rows}")
     t_cu_q, t_cu_kv = _t(cu_q), _t(cu_kv)
     t_pad_q, t_pad_kv = _t(inp.cu_seqlens_q_padded), _t(inp.cu_seqlens_kv_padded)
     assert t_cu_q is not None and t_cu_kv is not None
     check_values(rows_q, rows_kv, t_cu_q, t_cu_kv, t_pad_q, t_pad_kv)
 
-    window = tuple(inp.window_size)
+    # None is TE's "no window"; check_input has vetted the rest.
+    window = (-1, -1) if inp.window_size is None else tuple(inp.window_size)
     span = key_span(inp.attn_mask_type, window, inp.bottom_right_diagonal)
     # The rows: exactly what the post-pass computes.
     dead = dead_row_masks(
@@ -327,7 +331,7 @@ def _rows_text(start: int, stop: int) -> str:
 def _alignment(plan: Plan) -> str:
     s = plan.span
     if not s["exact"]:
-        return "mask not understood: conservative set (exact for every mask)"
+        return "mask not modelled: every valid key of a sequence with queries is kept"
     how = []
     if s["top_left"]:
         how.append("top-left")
@@ -380,34 +384,78 @@ def _int_list(value: Any, name: str) -> Tuple[int, ...]:
     return tuple(value)
 
 
+def _int(value: Any, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name}: expected an integer, got {value!r}")
+    return value
+
+
+def check_input(inp: PlanInput) -> None:
+    """Raise ``ValueError`` naming the field when a :class:`PlanInput` is malformed.
+
+    The same rules as the public post-pass: a value of the wrong type is never coerced
+    (``bool("false")`` is True), an unknown mask is an error, not the conservative set.
+    """
+    for name in ("cu_seqlens_q", "cu_seqlens_kv"):
+        _int_list(getattr(inp, name), name)
+    for name in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        if getattr(inp, name) is not None:
+            _int_list(getattr(inp, name), name)
+    check_mask_arguments(inp.attn_mask_type, inp.window_size, inp.bottom_right_diagonal)
+    for name in ("rows_q", "rows_kv"):
+        value = getattr(inp, name)
+        if value is not None and _int(value, name) < 0:
+            raise ValueError(f"{name}: expected a number of rows >= 0, got {value}")
+
+
 def plan_from_json(text: str) -> PlanInput:
     """A :class:`PlanInput` from JSON with TE's names (``cu_seqlens_q``, ``cu_seqlens_kv``,
     optional ``cu_seqlens_q_padded``, ``cu_seqlens_kv_padded``, ``attn_mask_type``,
-    ``window_size``, ``bottom_right_diagonal``, ``rows_q``, ``rows_kv``)."""
-    data = json.loads(text)
+    ``window_size``, ``bottom_right_diagonal``, ``rows_q``, ``rows_kv``).
+
+    Types are JSON's own: ``bottom_right_diagonal`` is ``true``/``false``/``null`` (the
+    string ``"false"`` is an error, not True), ``attn_mask_type`` a string. Every error
+    names the field.
+    """
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--file: not valid JSON ({exc})") from None
     if not isinstance(data, dict):
-        raise ValueError("expected a JSON object")
+        raise ValueError(f"--file: expected a JSON object, got {type(data).__name__}")
     known = {f for f in PlanInput.__dataclass_fields__}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ValueError(f"unknown keys {unknown}; expected some of {sorted(known)}")
+        raise ValueError(f"{unknown[0]}: unknown key; expected some of {sorted(known)}")
     for req in ("cu_seqlens_q", "cu_seqlens_kv"):
-        if req not in data:
-            raise ValueError(f"{req}: required")
+        if data.get(req) is None:
+            raise ValueError(f"{req}: required (a list of integers)")
     kw: Dict[str, Any] = {}
     for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
         if data.get(name) is not None:
             kw[name] = _int_list(data[name], name)
     if "attn_mask_type" in data:
-        kw["attn_mask_type"] = str(data["attn_mask_type"])
+        if not isinstance(data["attn_mask_type"], str):
+            raise ValueError(
+                f'attn_mask_type: expected a string such as "padding_causal", got '
+                f"{json.dumps(data['attn_mask_type'])}"
+            )
+        kw["attn_mask_type"] = data["attn_mask_type"]
     if "window_size" in data:
         w = _int_list(data["window_size"], "window_size")
         if len(w) != 2:
             raise ValueError(f"window_size: expected [left, right], got {list(w)}")
         kw["window_size"] = w
-    if data.get("bottom_right_diagonal") is not None:
-        kw["bottom_right_diagonal"] = bool(data["bottom_right_diagonal"])
+    brd = data.get("bottom_right_diagonal")
+    if brd is not None and not isinstance(brd, bool):
+        raise ValueError(
+            f"bottom_right_diagonal: expected true, false or null, got {json.dumps(brd)}"
+        )
+    if brd is not None:
+        kw["bottom_right_diagonal"] = brd
     for name in ("rows_q", "rows_kv"):
         if data.get(name) is not None:
-            kw[name] = int(data[name])
-    return PlanInput(**kw)
+            kw[name] = _int(data[name], name)
+    inp = PlanInput(**kw)
+    check_input(inp)
+    return inp

@@ -20,22 +20,35 @@ from typing import Literal, Optional, Sequence
 
 import torch
 
+from . import offset_errors
 from ._logging import log_once
 from .masks import KeySpan, key_span
 from .policy import deep_validation_enabled
-from .validation import check_metadata, check_values, shape_of
+from .validation import check_metadata, check_rows_disjoint, check_values, shape_of
 
-__all__ = ["DeadRows", "dead_row_masks", "zero_dead_rows", "zero_rows_"]
+__all__ = [
+    "DeadRows",
+    "dead_row_masks",
+    "zero_dead_rows",
+    "zero_dead_rows_prechecked",
+    "zero_rows_",
+]
 
 Impl = Literal["auto", "torch", "triton"]
 
 
 @dataclass(frozen=True)
 class DeadRows:
-    """Boolean masks, True where a row's true gradient is 0 (and so must be zeroed)."""
+    """Boolean masks, True where a row's true gradient is 0 (and so must be zeroed).
+
+    ``errors`` is an int32 device scalar: the :data:`te_gqa_fix.offset_errors.ARGUMENT_BITS`
+    of offsets that cannot be right. When it is non-zero both masks are all False: a
+    call with impossible offsets zeroes nothing (see :mod:`te_gqa_fix.offset_errors`).
+    """
 
     q: Optional[torch.Tensor]
     kv: torch.Tensor
+    errors: Optional[torch.Tensor] = None
 
 
 def _segments(rows: int, padded: torch.Tensor):
@@ -75,6 +88,106 @@ def _key_bounds(lq: torch.Tensor, lk: torch.Tensor, span: KeySpan):
     return lo, hi
 
 
+def _any_decrease(x: torch.Tensor) -> torch.Tensor:
+    """Device bool scalar: some offset negative or smaller than the one before."""
+    return (x < 0).any() | (x[1:] < x[:-1]).any()
+
+
+def _offset_error_bits(
+    cu_q: torch.Tensor,
+    cu_kv: torch.Tensor,
+    pad_q: torch.Tensor,
+    pad_kv: torch.Tensor,
+    pad_q_given: bool,
+    pad_kv_given: bool,
+    rows_q: Optional[int],
+    rows_kv: int,
+) -> torch.Tensor:
+    """The same verdict as the Triton kernel's, as an int32 device scalar (no sync).
+
+    Offsets are int64 here. A buffer offset that fails names the padded argument when
+    one was passed, else the valid one (TE's rule: no padded offsets = the valid ones).
+    """
+    bit = offset_errors.ARGUMENT_BITS
+    pq_bit = bit["cu_seqlens_q_padded" if pad_q_given else "cu_seqlens_q"]
+    pk_bit = bit["cu_seqlens_kv_padded" if pad_kv_given else "cu_seqlens_kv"]
+    bad_pq = _any_decrease(pad_q)
+    bad_pk = _any_decrease(pad_kv)
+    if rows_q is not None:
+        bad_pq = bad_pq | (pad_q[-1] > rows_q)
+    bad_pk = bad_pk | (pad_kv[-1] > rows_kv)
+    # A padded segment shorter than its valid length: the two disagree, name both.
+    short_q = ((pad_q[1:] - pad_q[:-1]) < (cu_q[1:] - cu_q[:-1])).any()
+    short_k = ((pad_kv[1:] - pad_kv[:-1]) < (cu_kv[1:] - cu_kv[:-1])).any()
+    i32 = torch.int32
+    bits = _any_decrease(cu_q).to(i32) * bit["cu_seqlens_q"]
+    bits = bits | _any_decrease(cu_kv).to(i32) * bit["cu_seqlens_kv"]
+    bits = bits | bad_pq.to(i32) * pq_bit | bad_pk.to(i32) * pk_bit
+    bits = bits | short_q.to(i32) * (pq_bit | bit["cu_seqlens_q"])
+    return bits | short_k.to(i32) * (pk_bit | bit["cu_seqlens_kv"])
+
+
+def _dead_rows(
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_kv: torch.Tensor,
+    cu_seqlens_q_padded: Optional[torch.Tensor],
+    cu_seqlens_kv_padded: Optional[torch.Tensor],
+    rows_q: Optional[int],
+    rows_kv: int,
+    span: KeySpan,
+) -> DeadRows:
+    """:func:`dead_row_masks` for a resolved :class:`KeySpan` (nothing recorded)."""
+    cu_q = cu_seqlens_q.to(torch.int64)
+    cu_kv = cu_seqlens_kv.to(torch.int64)
+    pad_q = cu_q if cu_seqlens_q_padded is None else cu_seqlens_q_padded.to(torch.int64)
+    pad_kv = cu_kv if cu_seqlens_kv_padded is None else cu_seqlens_kv_padded.to(torch.int64)
+    device = cu_seqlens_kv.device
+    errors = _offset_error_bits(
+        cu_q,
+        cu_kv,
+        pad_q,
+        pad_kv,
+        cu_seqlens_q_padded is not None,
+        cu_seqlens_kv_padded is not None,
+        rows_q,
+        rows_kv,
+    )
+    ok = errors == 0
+    nseq = cu_seqlens_q.numel() - 1
+    if nseq <= 0:
+        q_dead = None if rows_q is None else torch.ones(rows_q, dtype=torch.bool, device=device)
+        kv_dead = torch.ones(rows_kv, dtype=torch.bool, device=device)
+        return DeadRows(q=None if q_dead is None else q_dead & ok, kv=kv_dead & ok, errors=errors)
+    lq = cu_q[1:] - cu_q[:-1]
+    lk = cu_kv[1:] - cu_kv[:-1]
+    lo, hi = _key_bounds(lq, lk, span)
+
+    inside, seg, pos = _segments(rows_kv, pad_kv.contiguous())
+    kv_keep = inside & (pos >= lo[seg]) & (pos < hi[seg])
+    q_dead = None
+    if rows_q is not None:
+        inside_q, seg_q, pos_q = _segments(rows_q, pad_q.contiguous())
+        q_keep = inside_q & (pos_q < lq[seg_q]) & (lk[seg_q] > 0)
+        q_dead = ~q_keep & ok
+    return DeadRows(q=q_dead, kv=~kv_keep & ok, errors=errors)
+
+
+def _record_errors(errors: Optional[torch.Tensor], device: torch.device) -> None:
+    """Put a call's error bits where :mod:`te_gqa_fix.offset_errors` reads them (no sync).
+
+    CPU: straight into the host word, then raised at once (host memory, no sync).
+    CUDA: a device accumulator and a ``non_blocking`` copy into the pinned word.
+    """
+    if errors is None:
+        return
+    if device.type == "cuda":
+        offset_errors.record_device_bits(device, errors)
+        return
+    word = offset_errors.kernel_flag(device)[1:2]
+    word.bitwise_or_(errors.reshape(1).to(torch.int32))
+    offset_errors.raise_pending(device, when="this")
+
+
 def dead_row_masks(
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_kv: torch.Tensor,
@@ -83,7 +196,7 @@ def dead_row_masks(
     *,
     rows_q: Optional[int],
     rows_kv: int,
-    attn_mask_type: Optional[str] = "padding_causal",
+    attn_mask_type: str = "padding_causal",
     window_size: Optional[Sequence[int]] = (-1, -1),
     bottom_right_diagonal: Optional[bool] = None,
 ) -> DeadRows:
@@ -91,42 +204,24 @@ def dead_row_masks(
 
     Offsets follow TE: ``cu_seqlens_*`` are cumulative valid lengths, ``*_padded`` the
     start of each sequence in the buffer (``None``: the valid offsets, as TE does).
-    Sync-free; the masks live on the offsets' device.
+    Sync-free; the masks live on the offsets' device. Malformed mask arguments raise
+    ``ValueError`` naming the argument (``'arbitrary'``: keep every valid key of a
+    sequence with queries). Impossible offsets give masks with nothing dead and are
+    reported as described in :mod:`te_gqa_fix.offset_errors` (CPU: ``OffsetsError``, a
+    ``ValueError``, at once; CUDA: at the next post-pass call).
     """
-    pad_q = cu_seqlens_q if cu_seqlens_q_padded is None else cu_seqlens_q_padded
-    pad_kv = cu_seqlens_kv if cu_seqlens_kv_padded is None else cu_seqlens_kv_padded
-    device = cu_seqlens_kv.device
-    nseq = cu_seqlens_q.numel() - 1
-    if nseq <= 0:
-        q_dead = None if rows_q is None else torch.ones(rows_q, dtype=torch.bool, device=device)
-        return DeadRows(q=q_dead, kv=torch.ones(rows_kv, dtype=torch.bool, device=device))
-    cu_q = cu_seqlens_q.to(torch.int64)
-    cu_kv = cu_seqlens_kv.to(torch.int64)
-    lq = cu_q[1:] - cu_q[:-1]
-    lk = cu_kv[1:] - cu_kv[:-1]
-    span = key_span(attn_mask_type, window_size, bottom_right_diagonal)
-    return _dead_row_masks(lq, lk, pad_q, pad_kv, rows_q, rows_kv, span)
-
-
-def _dead_row_masks(
-    lq: torch.Tensor,
-    lk: torch.Tensor,
-    pad_q: torch.Tensor,
-    pad_kv: torch.Tensor,
-    rows_q: Optional[int],
-    rows_kv: int,
-    span: KeySpan,
-) -> DeadRows:
-    lo, hi = _key_bounds(lq, lk, span)
-
-    inside, seg, pos = _segments(rows_kv, pad_kv.to(torch.int64).contiguous())
-    kv_keep = inside & (pos >= lo[seg]) & (pos < hi[seg])
-    q_dead = None
-    if rows_q is not None:
-        inside_q, seg_q, pos_q = _segments(rows_q, pad_q.to(torch.int64).contiguous())
-        q_keep = inside_q & (pos_q < lq[seg_q]) & (lk[seg_q] > 0)
-        q_dead = ~q_keep
-    return DeadRows(q=q_dead, kv=~kv_keep)
+    span = key_span(attn_mask_type, window_size, bottom_right_diagonal, strict=True)
+    dead = _dead_rows(
+        cu_seqlens_q,
+        cu_seqlens_kv,
+        cu_seqlens_q_padded,
+        cu_seqlens_kv_padded,
+        rows_q,
+        rows_kv,
+        span,
+    )
+    _record_errors(dead.errors, cu_seqlens_kv.device)
+    return dead
 
 
 _QUANTIZED_WARNED = "quantized-output"
@@ -195,7 +290,7 @@ def zero_dead_rows(
     cu_seqlens_q_padded: Optional[torch.Tensor] = None,
     cu_seqlens_kv_padded: Optional[torch.Tensor] = None,
     *,
-    attn_mask_type: Optional[str] = "padding_causal",
+    attn_mask_type: str = "padding_causal",
     window_size: Optional[Sequence[int]] = (-1, -1),
     bottom_right_diagonal: Optional[bool] = None,
     impl: Impl = "auto",
@@ -207,38 +302,92 @@ def zero_dead_rows(
     (see :func:`dead_row_masks`). KV rows are zeroed outside each sequence's attended key
     interval, dQ rows outside the valid query tokens and in sequences without keys.
 
-    No host sync unless ``TE_GQA_FIX_VALIDATE=1``; raises ``ValueError`` on inputs whose
-    metadata cannot be right. ``impl`` picks the Triton kernel (CUDA) or the PyTorch ops;
-    ``auto`` uses Triton on CUDA when it is importable.
+    Bad input raises ``ValueError`` naming the argument, never a silently wrong
+    gradient: metadata (dtype, shape, device, heads that do not divide, rows that share
+    memory) and mask arguments (unknown ``attn_mask_type``, malformed ``window_size``,
+    non-bool ``bottom_right_diagonal``) at once; impossible offset *values* (negative,
+    decreasing, a padded segment shorter than its valid length, past the buffer) make the
+    call zero nothing and raise ``OffsetsError`` (a ``ValueError``) naming the argument:
+    at once on CPU or with ``TE_GQA_FIX_VALIDATE=1``, else on CUDA at the start of the
+    next post-pass call on that device (see :mod:`te_gqa_fix.offset_errors`).
+
+    No host sync unless ``TE_GQA_FIX_VALIDATE=1``. ``impl`` picks the Triton kernel
+    (CUDA) or the PyTorch ops; ``auto`` uses Triton on CUDA when it is importable.
     """
+    span = key_span(attn_mask_type, window_size, bottom_right_diagonal, strict=True)
     check_metadata(
         dq, dk, dv, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded
     )
-    if deep_validation_enabled():
-        _deep_check(
-            dq, dk, (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
-        )
-    span = key_span(attn_mask_type, window_size, bottom_right_diagonal)
-    if _use_triton(impl, dk):
-        from . import triton_postpass
-
-        if triton_postpass.zero_dead_rows_triton(
-            dq,
-            dk,
-            dv,
-            cu_seqlens_q,
-            cu_seqlens_kv,
-            cu_seqlens_q_padded,
-            cu_seqlens_kv_padded,
-            span=span,
-        ):
-            return
-    _zero_with_torch(
-        dq, dk, dv, (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded), span
+    for name, t in (("dq", dq), ("dk", dk), ("dv", dv)):
+        check_rows_disjoint(name, t)
+    _zero_dead_rows(
+        dq,
+        dk,
+        dv,
+        cu_seqlens_q,
+        cu_seqlens_kv,
+        cu_seqlens_q_padded,
+        cu_seqlens_kv_padded,
+        span,
+        impl,
     )
 
 
+def zero_dead_rows_prechecked(
+    dq: Optional[torch.Tensor],
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    offsets: tuple,
+    span: KeySpan,
+    launches: Optional[object],
+) -> None:
+    """The post-pass for a caller that has already checked the call (the wrapper).
+
+    The wrapper validates TE's inputs and the offsets' metadata once per call (a cached
+    comparison) and resolves the mask to ``span`` once per call shape (TE validates its
+    masks itself, so one this library does not know keeps the conservative set, logged
+    once at WARNING), so this skips :func:`check_metadata`, the row-overlap check (TE's
+    outputs are fresh tensors) and ``key_span``. Offset *values* are judged exactly as in
+    :func:`zero_dead_rows`. ``launches`` (:class:`te_gqa_fix.triton_postpass.Launches`, or
+    None for the PyTorch route) keys the kernel launch on the outputs' metadata. Whenever
+    the kernel declines, the PyTorch post-pass runs: rows are never left unzeroed.
+    """
+    # Bad offsets recorded by an earlier call on this device (host read, no sync).
+    offset_errors.raise_pending(dk.device)
+    if deep_validation_enabled():
+        _deep_check(dq, dk, offsets)
+    if launches is not None and launches.launch(dq, dk, dv, offsets, span):  # type: ignore[attr-defined]
+        return
+    _zero_with_torch(dq, dk, dv, offsets, span)
+
+
+def _zero_dead_rows(
+    dq: Optional[torch.Tensor],
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_kv: torch.Tensor,
+    cu_seqlens_q_padded: Optional[torch.Tensor],
+    cu_seqlens_kv_padded: Optional[torch.Tensor],
+    span: KeySpan,
+    impl: Impl,
+) -> None:
+    """The post-pass proper, on checked metadata and a resolved span."""
+    offsets = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
+    # Bad offsets recorded by an earlier call on this device (host read, no sync).
+    offset_errors.raise_pending(dk.device)
+    if deep_validation_enabled():
+        _deep_check(dq, dk, offsets)
+    if _use_triton(impl, dk):
+        from . import triton_postpass
+
+        if triton_postpass.zero_dead_rows_triton(dq, dk, dv, *offsets, span=span):
+            return
+    _zero_with_torch(dq, dk, dv, offsets, span)
+
+
 def _deep_check(dq: Optional[object], dk: object, offsets: tuple) -> None:
+    """``TE_GQA_FIX_VALIDATE=1``: read the offsets now (a host sync) and raise at once."""
     rows_q = None if dq is None else int(shape_of(dq)[0])  # type: ignore[index]
     rows_kv = int(shape_of(dk)[0])  # type: ignore[index]
     check_values(rows_q, rows_kv, *offsets)
@@ -252,46 +401,11 @@ def _zero_with_torch(
     span: KeySpan,
 ) -> None:
     """The PyTorch post-pass on checked arguments (CPU, and the fallback on CUDA)."""
-    cu_q_t, cu_kv_t, pad_q_t, pad_kv_t = offsets
     rows_q = None if dq is None else int(shape_of(dq)[0])  # type: ignore[index]
     rows_kv = int(shape_of(dk)[0])  # type: ignore[index]
-    if cu_q_t.numel() - 1 <= 0:
-        dead = dead_row_masks(*offsets, rows_q=rows_q, rows_kv=rows_kv)
-    else:
-        cu_q = cu_q_t.to(torch.int64)
-        cu_kv = cu_kv_t.to(torch.int64)
-        pad_q = cu_q_t if pad_q_t is None else pad_q_t
-        pad_kv = cu_kv_t if pad_kv_t is None else pad_kv_t
-        lq = cu_q[1:] - cu_q[:-1]
-        lk = cu_kv[1:] - cu_kv[:-1]
-        dead = _dead_row_masks(lq, lk, pad_q, pad_kv, rows_q, rows_kv, span)
+    dead = _dead_rows(*offsets, rows_q, rows_kv, span)
     zero_rows_(dk, dead.kv, "dk")
     zero_rows_(dv, dead.kv, "dv")
     if dq is not None and dead.q is not None:
         zero_rows_(dq, dead.q, "dq")
-
-
-def zero_dead_rows_prechecked(
-    dq: Optional[torch.Tensor],
-    dk: torch.Tensor,
-    dv: torch.Tensor,
-    offsets: tuple,
-    span: KeySpan,
-    launches: Optional[object],
-) -> None:
-    """The post-pass for a caller that has already checked the call (the wrapper).
-
-    The wrapper validates TE's inputs and the offsets once per call (a cached comparison
-    of their metadata) and resolves the mask to ``span`` once per call shape, so this
-    skips :func:`check_metadata` and ``key_span``. ``launches``
-    (:class:`te_gqa_fix.triton_postpass.Launches`, or None for the PyTorch route) keys
-    the kernel launch on the outputs' metadata, which is new each call (the kernel checks
-    them once per key). Whenever the kernel declines, the PyTorch post-pass runs on the
-    outputs as they are (masks sized from each tensor's own rows; dK/dV of different
-    rows make the fill raise, never zero wrong rows): rows are never left unzeroed.
-    """
-    if deep_validation_enabled():
-        _deep_check(dq, dk, offsets)
-    if launches is not None and launches.launch(dq, dk, dv, offsets, span):  # type: ignore[attr-defined]
-        return
-    _zero_with_torch(dq, dk, dv, offsets, span)
+    _record_errors(dead.errors, dk.device)

@@ -16,7 +16,10 @@ layouts (``[T, 2, H, D]``, ``[T, H, 2, D]``, ``[T, 3, H, D]``...) are addressed 
 their row, head and dim strides, never copied. Offsets are int64 in-kernel, so buffers
 beyond 2^31 elements are fine.
 
-No host sync (shapes and strides only), launched on the current stream of the tensors'
+Impossible offsets (negative, decreasing, a padded segment shorter than its valid length,
+a last buffer offset past the buffer) make every program zero nothing; the first records
+which argument in a pinned host word that :mod:`te_gqa_fix.offset_errors` reads at the
+next call (issue #13). No host sync (shapes and strides only), launched on the current stream of the tensors'
 device, no allocation (offsets that are not contiguous get a tiny device copy): safe
 under CUDA-graph capture once compiled (warm it up first, as for any Triton kernel).
 Launch parameters are tuned by ``benchmarks/sweep_kernel.py``; see docs/performance.md.
@@ -35,6 +38,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from . import offset_errors
 from ._logging import log_once
 from .masks import KeySpan
 from .validation import check_metadata
@@ -46,6 +50,7 @@ __all__ = ["Launches", "available", "zero_dead_rows_triton"]
 tl: Any = None
 _seq_index_jit: Any = None
 _zero_tiles_jit: Any = None
+_offset_errors_jit: Any = None
 
 _kernel: Any = None
 _available: Optional[bool] = None
@@ -64,11 +69,11 @@ BLOCK_T = 16
 BLOCK_C = 128
 #: Aim for at least this many programs per SM (column tiles are split to get there).
 _PROGRAMS_PER_SM = 8
+_NUM_WARPS = 4
 #: At most this many column tiles per tensor in one program (0: no cap). A cap splits the
 #: wide dQ rows of MQA/GQA over more programs when the row blocks alone fill the grid
 #: (more stores in flight per SM); benchmarks/sweep_kernel.py measures it.
 _MAX_TILES = 0
-_NUM_WARPS = 4
 
 
 # --------------------------------------------------------------------------- kernel
@@ -130,6 +135,65 @@ def _zero_tiles(
         tl.store(ptr + (row_off[:, None] + col_off[None, :]), zero, mask=mask)
 
 
+def _offset_errors(
+    cu_q_ptr,
+    cu_kv_ptr,
+    pad_q_ptr,
+    pad_kv_ptr,
+    nseq,
+    rows_q,
+    rows_kv,
+    HAS_Q: tl.constexpr,
+    PAD_Q_BIT: tl.constexpr,
+    PAD_KV_BIT: tl.constexpr,
+    OFF_BLOCK: tl.constexpr,
+    OFF_CHUNKS: tl.constexpr,
+):
+    """Error bits (:data:`te_gqa_fix.offset_errors.ARGUMENT_BITS`) of impossible offsets.
+
+    Every program computes the same verdict from the same ``4 x (nseq + 1)`` offsets, so
+    every program agrees to zero nothing when it is non-zero. Checks: offsets negative or
+    decreasing, a buffer segment shorter than its valid length (both arguments named),
+    the last buffer offset
+    past the buffer (dQ only when there is a dQ). When no padded offsets were passed the
+    padded pointers are the valid ones and their bits name the valid argument.
+    """
+    lanes = tl.arange(0, OFF_BLOCK)
+    err = tl.zeros([OFF_BLOCK], dtype=tl.int32)
+    for c in range(OFF_CHUNKS):
+        idx = c * OFF_BLOCK + lanes
+        has_off = idx <= nseq
+        has_seg = idx < nseq
+        cq0 = tl.load(cu_q_ptr + idx, mask=has_off, other=0).to(tl.int64)
+        cq1 = tl.load(cu_q_ptr + idx + 1, mask=has_seg, other=0).to(tl.int64)
+        ck0 = tl.load(cu_kv_ptr + idx, mask=has_off, other=0).to(tl.int64)
+        ck1 = tl.load(cu_kv_ptr + idx + 1, mask=has_seg, other=0).to(tl.int64)
+        pq0 = tl.load(pad_q_ptr + idx, mask=has_off, other=0).to(tl.int64)
+        pq1 = tl.load(pad_q_ptr + idx + 1, mask=has_seg, other=0).to(tl.int64)
+        pk0 = tl.load(pad_kv_ptr + idx, mask=has_off, other=0).to(tl.int64)
+        pk1 = tl.load(pad_kv_ptr + idx + 1, mask=has_seg, other=0).to(tl.int64)
+        bad_cq = (has_off & (cq0 < 0)) | (has_seg & (cq1 < cq0))
+        bad_ck = (has_off & (ck0 < 0)) | (has_seg & (ck1 < ck0))
+        bad_pq = (has_off & (pq0 < 0)) | (has_seg & (pq1 < pq0))
+        bad_pk = (has_off & (pk0 < 0)) | (has_seg & (pk1 < pk0))
+        # A segment shorter than its valid length: the two arguments disagree, name both.
+        short_q = has_seg & (pq1 - pq0 < cq1 - cq0)
+        short_k = has_seg & (pk1 - pk0 < ck1 - ck0)
+        err = err | tl.where(bad_cq, 1, 0) | tl.where(bad_ck, 2, 0)
+        err = err | tl.where(bad_pq, PAD_Q_BIT, 0) | tl.where(bad_pk, PAD_KV_BIT, 0)
+        err = err | tl.where(short_q, PAD_Q_BIT | 1, 0) | tl.where(short_k, PAD_KV_BIT | 2, 0)
+    # Past the buffer: only the last offset of each side needs looking at.
+    last = lanes == 0
+    end_kv = tl.load(pad_kv_ptr + nseq + lanes * 0, mask=last, other=0).to(tl.int64)
+    err = err | tl.where(last & (end_kv > rows_kv), PAD_KV_BIT, 0)
+    if HAS_Q:
+        end_q = tl.load(pad_q_ptr + nseq + lanes * 0, mask=last, other=0).to(tl.int64)
+        err = err | tl.where(last & (end_q > rows_q), PAD_Q_BIT, 0)
+    # OR over the lanes, one bit at a time (there is no OR reduction in old Tritons).
+    bits = tl.max(err & 1, axis=0) | tl.max(err & 2, axis=0)
+    return bits | tl.max(err & 4, axis=0) | tl.max(err & 8, axis=0)
+
+
 def _postpass_kernel(
     dq_ptr,
     dk_ptr,
@@ -138,6 +202,7 @@ def _postpass_kernel(
     cu_kv_ptr,
     pad_q_ptr,
     pad_kv_ptr,
+    err_ptr,
     nseq,
     rows_q,
     rows_kv,
@@ -173,11 +238,25 @@ def _postpass_kernel(
     NT_Q: tl.constexpr,
     NT_K: tl.constexpr,
     NT_V: tl.constexpr,
+    HAS_Q: tl.constexpr,
+    PAD_Q_BIT: tl.constexpr,
+    PAD_KV_BIT: tl.constexpr,
+    OFF_BLOCK: tl.constexpr,
+    OFF_CHUNKS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     n_split = tl.num_programs(1)
+    # Impossible offsets: every program zeroes nothing; the first records which argument
+    # into the pinned host word err_ptr (te_gqa_fix.offset_errors surfaces it).
+    bad = _offset_errors_jit(
+        cu_q_ptr, cu_kv_ptr, pad_q_ptr, pad_kv_ptr, nseq, rows_q, rows_kv,
+        HAS_Q, PAD_Q_BIT, PAD_KV_BIT, OFF_BLOCK, OFF_CHUNKS,
+    )  # fmt: skip
+    if (bad != 0) & (pid == 0) & (split == 0):
+        tl.store(err_ptr, tl.load(err_ptr) | bad)
     lanes = tl.arange(0, BLOCK_T).to(tl.int64)
+    ok = (tl.zeros_like(lanes) + bad) == 0  # per lane, so masks stay boolean vectors
     if pid < nblk_kv:
         # dK/dV rows: kept iff inside sequence b and lo_b <= pos < hi_b.
         rows = pid.to(tl.int64) * BLOCK_T + lanes
@@ -224,7 +303,7 @@ def _postpass_kernel(
             lo = zero
             hi = tl.where(lq > 0, lk, zero)
         keep = inside & (pos >= lo) & (pos < hi)
-        dead = in_buf & (keep == 0)
+        dead = in_buf & (keep == 0) & ok
         if tl.sum(dead.to(tl.int32), axis=0) > 0:
             _zero_tiles_jit(
                 dk_ptr, rows, dead, h_k, d_k, sk_t, sk_h, sk_d, split, n_split,
@@ -248,7 +327,7 @@ def _postpass_kernel(
         k1 = tl.load(cu_kv_ptr + b + 1, mask=inside, other=0).to(tl.int64)
         pos = rows - start
         keep = inside & (pos < q1 - q0) & (k1 - k0 > 0)
-        dead = in_buf & (keep == 0)
+        dead = in_buf & (keep == 0) & ok
         if tl.sum(dead.to(tl.int32), axis=0) > 0:
             _zero_tiles_jit(
                 dq_ptr, rows, dead, h_q, d_q, sq_t, sq_h, sq_d, split, n_split,
@@ -261,7 +340,7 @@ def _postpass_kernel(
 
 def _build() -> Any:
     """Import Triton and turn the functions above into (compiled or interpreted) kernels."""
-    global tl, _seq_index_jit, _zero_tiles_jit, _kernel
+    global tl, _seq_index_jit, _zero_tiles_jit, _offset_errors_jit, _kernel
     if _kernel is None:
         import triton
         import triton.language as triton_language
@@ -269,6 +348,7 @@ def _build() -> Any:
         tl = triton_language
         _seq_index_jit = triton.jit(_seq_index)
         _zero_tiles_jit = triton.jit(_zero_tiles)
+        _offset_errors_jit = triton.jit(_offset_errors)
         _kernel = triton.jit(_postpass_kernel)
     return _kernel
 
@@ -365,10 +445,15 @@ class _LaunchPlan:
     parameter order: what Triton's own launcher is handed.
     """
 
-    __slots__ = ("compiled", "device_index", "grid", "meta", "scalars", "tail")
+    __slots__ = ("compiled", "device_index", "err", "grid", "meta", "scalars", "tail")
 
     def __init__(
-        self, grid: Tuple[int, int], scalars: tuple, meta: Dict[str, Any], device_index: int
+        self,
+        grid: Tuple[int, int],
+        scalars: tuple,
+        meta: Dict[str, Any],
+        device_index: int,
+        err: torch.Tensor,
     ) -> None:
         self.grid = grid
         self.scalars = scalars
@@ -376,6 +461,9 @@ class _LaunchPlan:
         self.tail: Optional[tuple] = None
         self.compiled: Dict[object, Any] = {}
         self.device_index = device_index
+        #: The device's pinned error word (te_gqa_fix.offset_errors), the kernel's 8th
+        #: pointer: the same memory for every call on that device.
+        self.err = err
 
 
 #: Launch plans by tensor metadata (shapes, strides, batch size, mask): the host work
@@ -392,6 +480,7 @@ def _plan(
     nseq: int,
     span: KeySpan,
     offset_dtypes: tuple,
+    padded_given: Tuple[bool, bool] = (True, True),
 ) -> _LaunchPlan:
     """Grid, scalar and constexpr arguments for one launch, cached.
 
@@ -402,12 +491,12 @@ def _plan(
     key = (
         q_t.shape, q_t.stride(), q_t.dtype, dk.shape, dk.stride(), dk.dtype, dv.shape,
         dv.stride(), dv.dtype, has_q, nseq, span, dk.device, offset_dtypes, BLOCK_T,
-        BLOCK_C, _PROGRAMS_PER_SM, _NUM_WARPS, _MAX_TILES,
+        BLOCK_C, _PROGRAMS_PER_SM, _NUM_WARPS, _MAX_TILES, padded_given,
     )  # fmt: skip
     plan = _plans.get(key)
     if plan is not None:
         return plan
-    plan = _make_plan(q_t, dk, dv, has_q, nseq, span)
+    plan = _make_plan(q_t, dk, dv, has_q, nseq, span, padded_given)
     if len(_plans) >= _MAX_PLANS:
         _plans.clear()
     _plans[key] = plan
@@ -415,7 +504,13 @@ def _plan(
 
 
 def _make_plan(
-    q_t: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, has_q: bool, nseq: int, span: KeySpan
+    q_t: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    has_q: bool,
+    nseq: int,
+    span: KeySpan,
+    padded_given: Tuple[bool, bool],
 ) -> _LaunchPlan:
     rows_kv = int(dk.shape[0])
     rows_q = int(q_t.shape[0]) if has_q else 0
@@ -458,13 +553,16 @@ def _make_plan(
         NT_K=nt_k,
         NT_V=nt_v,
     )
+    # Impossible-offset check (issue #13): five more constexprs and the error word.
+    meta.update(offset_errors.kernel_meta(nseq, has_q, *padded_given))
     cuda = dk.device.type == "cuda"
     if cuda:
         meta["num_warps"] = _NUM_WARPS
     index = dk.device.index if cuda and dk.device.index is not None else -1
     if cuda and index < 0:
         index = torch.cuda.current_device()
-    return _LaunchPlan((nblk_kv + nblk_q, n_split), scalars, meta, index)
+    err = offset_errors.kernel_flag(dk.device)
+    return _LaunchPlan((nblk_kv + nblk_q, n_split), scalars, meta, index, err)
 
 
 # ----------------------------------------------------------------- the fast launch
@@ -534,18 +632,20 @@ def _capture(plan: _LaunchPlan, align: object, ret: Any, kernel: Any, n_tensors:
 
 
 def _run(plan: _LaunchPlan, tensors: tuple) -> None:
-    """Launch the kernel for ``plan`` on ``tensors`` (dq-or-stand-in, dk, dv, 4 offsets)."""
+    """Launch the kernel for ``plan`` on ``tensors`` (dq-or-stand-in, dk, dv, 4 offsets);
+    the plan's error word is the eighth pointer."""
     global _fast_ok
     g0, g1 = plan.grid
     if g0 == 0:
         return
+    tensors = (*tensors, plan.err)
     index = plan.device_index
     align: object = ()
     if index >= 0:
-        q_t, dk, dv, cu_q, cu_kv, pad_q, pad_kv = tensors
+        q_t, dk, dv, cu_q, cu_kv, pad_q, pad_kv, err = tensors
         ptr_or = (
             q_t.data_ptr() | dk.data_ptr() | dv.data_ptr() | cu_q.data_ptr()
-            | cu_kv.data_ptr() | pad_q.data_ptr() | pad_kv.data_ptr()
+            | cu_kv.data_ptr() | pad_q.data_ptr() | pad_kv.data_ptr() | err.data_ptr()
         )  # fmt: skip
         # All 16-byte aligned (the usual case) is one key; otherwise one flag per pointer.
         align = 0 if ptr_or & 15 == 0 else tuple(t.data_ptr() & 15 == 0 for t in tensors)
@@ -597,7 +697,8 @@ def _launch(
         q_t, dk, dv, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded
     )
     dtypes = tuple(t.dtype for t in tensors[3:])
-    plan = _plan(q_t, dk, dv, dq is not None, cu_seqlens_q.numel() - 1, span, dtypes)
+    given = (cu_seqlens_q_padded is not None, cu_seqlens_kv_padded is not None)
+    plan = _plan(q_t, dk, dv, dq is not None, cu_seqlens_q.numel() - 1, span, dtypes, given)
     _run(plan, tensors)
 
 
@@ -666,7 +767,8 @@ class Launches:
             else:
                 dtypes = tuple(t.dtype for t in _tensors(q_t, dk, dv, *offsets)[3:])
                 nseq = offsets[0].numel() - 1
-                plan = _plan(q_t, dk, dv, dq is not None, nseq, span, dtypes)
+                given = (offsets[2] is not None, offsets[3] is not None)
+                plan = _plan(q_t, dk, dv, dq is not None, nseq, span, dtypes, given)
             if len(self.plans) >= _MAX_PLANS:
                 self.plans.clear()
             self.plans[key] = plan

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["check_metadata", "check_values", "shape_of"]
+__all__ = ["check_metadata", "check_rows_disjoint", "check_values", "shape_of"]
 
 
 def _offsets(name: str, value: object, device: Optional[torch.device]) -> torch.Tensor:
@@ -114,12 +114,56 @@ def check_metadata(
             raise ValueError(
                 f"{name}: expected {n} offsets (batch_size + 1, as cu_seqlens_q), got {t.numel()}"
             )
-    if num_heads_q is not None and num_heads_kv is not None:
-        if num_heads_kv <= 0 or num_heads_q <= 0 or num_heads_q % num_heads_kv != 0:
+    # Heads: from the arguments when the wrapper passes TE's q/k heads, else the shapes
+    # (the README promises this check for the public post-pass too).
+    heads_k = int(shape_of(dk)[1])  # type: ignore[index]
+    heads_v = int(shape_of(dv)[1])  # type: ignore[index]
+    if heads_v != heads_k:
+        raise ValueError(
+            f"{name_v}: expected the same number of heads as {name_k} ({heads_k}), got {heads_v}"
+        )
+    if num_heads_kv is None:
+        num_heads_kv = heads_k
+    if num_heads_q is None and dq is not None:
+        num_heads_q = int(shape_of(dq)[1])  # type: ignore[index]
+    if num_heads_kv <= 0:
+        raise ValueError(f"{name_k}: expected at least one KV head, got {num_heads_kv}")
+    if num_heads_q is not None and (num_heads_q <= 0 or num_heads_q % num_heads_kv != 0):
+        raise ValueError(
+            f"{name_k}: expected a number of KV heads that divides the query heads "
+            f"({num_heads_q}), got {num_heads_kv}"
+        )
+
+
+def check_rows_disjoint(name: str, t: object) -> None:
+    """Raise ``ValueError`` when two token rows of ``t`` share memory (metadata only).
+
+    Zeroing a dead row of such a tensor would zero a live row too (e.g. a stride-0
+    ``expand`` along the token axis). Sufficient test: ignoring zero-stride inner dims
+    (aliasing inside one row is harmless), sort the dims of size > 1 by stride; each
+    stride must reach past everything the smaller ones span. Packed views such as
+    ``buf[:, 0]`` of a ``[T, 2, H, D]`` buffer pass; so does any layout whose rows are
+    laid out one after another or interleaved without overlap.
+    """
+    if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] <= 1:
+        return
+    if t.is_contiguous():
+        return
+    dims = sorted(
+        (abs(st), n)
+        for i, (n, st) in enumerate(zip(t.shape, t.stride()))
+        if n > 1 and (st != 0 or i == 0)
+    )
+    extent = 1
+    for stride, size in dims:
+        if stride < extent:
             raise ValueError(
-                f"{name_k}: expected a number of KV heads that divides the query heads "
-                f"({num_heads_q}), got {num_heads_kv}"
+                f"{name}: expected token rows that do not share memory, got shape "
+                f"{tuple(t.shape)} with strides {tuple(t.stride())} (rows overlap, e.g. an "
+                "expand along the token axis); zeroing one row would zero another. Pass a "
+                "tensor with its own storage per row (e.g. .contiguous())"
             )
+        extent += (size - 1) * stride
 
 
 def _check_monotonic(name: str, t: torch.Tensor) -> list[int]:

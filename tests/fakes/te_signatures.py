@@ -2,7 +2,7 @@
 
 The text between the triple quotes is the ``def`` line through the return annotation of
 ``transformer_engine/pytorch/cpp_extensions/fused_attn.py`` in TE 2.8.0 and TE 2.20.2
-(``test_binding.py`` re-checks it against TE sources when they are on disk). A fake is
+(``tests/gpu/test_fake_signatures.py`` checks the installed TE's against its fake). A fake is
 built by ``exec`` of that text plus a one-line body, so the wrapper sees exactly the
 parameter names, kinds, order and defaults TE has, and TE's call sites can be replayed
 positionally or by keyword.
