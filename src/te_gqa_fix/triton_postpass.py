@@ -62,10 +62,13 @@ _OFFSET_DTYPES = (torch.int32, torch.int64)
 
 #: Rows per program. Small enough that most programs of a large buffer exit after
 #: the search (no dead row), large enough to keep the grid of a 128K-token buffer
-#: within one or two waves.
-BLOCK_T = 16
-#: Elements per row in one store tile (a power of two). These defaults were within 7%
-#: of the best configuration of benchmarks/sweep_kernel.py at every workload on an H200.
+#: within one or two waves. BLOCK_T 32 with _MAX_TILES 8 was the best of the 28
+#: configurations of ``benchmarks/sweep_kernel.py --quick`` on an H200 (2026-11-30, with
+#: the offsets check of issue 13 in the kernel): at every workload no slower than the
+#: earlier 16/0 (llama-8k 11.6 vs 12.2 us, 32K 1.27x vs 1.50x the write bound, MQA-32K
+#: 1.78x vs 1.94x, 128K 1.11x both).
+BLOCK_T = 32
+#: Elements per row in one store tile (a power of two).
 BLOCK_C = 128
 #: Aim for at least this many programs per SM (column tiles are split to get there).
 _PROGRAMS_PER_SM = 8
@@ -73,7 +76,7 @@ _NUM_WARPS = 4
 #: At most this many column tiles per tensor in one program (0: no cap). A cap splits the
 #: wide dQ rows of MQA/GQA over more programs when the row blocks alone fill the grid
 #: (more stores in flight per SM); benchmarks/sweep_kernel.py measures it.
-_MAX_TILES = 0
+_MAX_TILES = 8
 
 
 # --------------------------------------------------------------------------- kernel
