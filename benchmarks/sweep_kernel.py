@@ -117,7 +117,7 @@ def host_overhead(wl: bp.Workload, n: int = 2000) -> Dict[str, float]:
     kernel = tp._build()
     plan = tp._plan(dq, dk, dv, True, len(wl.lq), span, (torch.int32,) * 4)
     grid, scalars, meta = plan.grid, plan.scalars, plan.meta
-    args = (dq, dk, dv, cu_q, cu_kv, pad, pad, *scalars)
+    args = (dq, dk, dv, cu_q, cu_kv, pad, pad, plan.err, *scalars)
     chain = {
         "triton_empty_kernel_2_args": lambda: _empty[(1,)](x, 64, BLOCK=64),
         "raw_launch_of_this_kernel": lambda: kernel[grid](*args, **meta),

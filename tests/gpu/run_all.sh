@@ -20,7 +20,7 @@ for build in ${BUILDS:-system pip route}; do
     use_build "$build"
     if [ "$nproc_cp" -ge 2 ] && [[ " $parts " == *" cp "* ]]; then
       timeout "${CP_TIMEOUT:-200}" torchrun --standalone --nproc-per-node "$nproc_cp" \
-        tests/multigpu/cp_check.py --out "$extra" >"$extra/cp-$build.log" 2>&1
+        tests/multigpu/cp_check.py --out "$extra" --tag "$build" >"$extra/cp-$build.log" 2>&1
       echo "cp_check ($build, $nproc_cp ranks): exit $?"
       grep -E "^RESULT" "$extra/cp-$build.log"
     fi
