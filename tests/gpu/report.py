@@ -369,13 +369,21 @@ def _render_extra(extra: Dict[str, Any], builds: List[str]) -> List[str]:
                     {
                         "file": name,
                         "ranks": st.get("cp_size"),
-                        "cuDNN (TE)": st.get("cudnn_te"),
+                        "cuDNN (TE)": " / ".join(map(str, st["cudnn_te_per_rank"]))
+                        if st.get("cudnn_te_per_rank")
+                        else st.get("cudnn_te"),
+                        "TE_GQA_FIX_CUDNN": st.get("te_gqa_fix_cudnn") or "-",
                         "mode": mode,
                         "configs": len(mine),
                         "outcomes": ", ".join(f"{k}: {v}" for k, v in sorted(statuses.items())),
                     }
                 )
-        lines.append(_table(rows, ["file", "ranks", "cuDNN (TE)", "mode", "configs", "outcomes"]))
+        lines.append(
+            _table(
+                rows,
+                ["file", "ranks", "cuDNN (TE)", "TE_GQA_FIX_CUDNN", "mode", "configs", "outcomes"],
+            )
+        )
         lines.append("")
         for name, text in sorted(summaries.items()):
             lines.append(f"`{name}`:\n\n```\n{text.strip()}\n```\n")
