@@ -329,6 +329,15 @@ def render(data: Dict[str, Any]) -> str:
         lines.append("")
         lines.append(_table(rows, cols) if rows else "(no records)")
         lines.append("")
+    lines.append("### Megatron-Core training (issue 11)")
+    lines.append("")
+    lines.append(
+        "A separate 2-GPU run, not part of this data file: Megatron-Core 0.19.2 `GPTModel` "
+        "with the TE layer spec, packed THD sequences, GQA 16/4, context parallelism 2, the fix "
+        "only from `TE_GQA_FIX_AUTOPATCH=1`. Command, results and plot: "
+        "[megatron_core.md](megatron_core.md)."
+    )
+    lines.append("")
     docs = {b: data["builds"][b]["doctor"] for b in builds}
     if any(d is not None for d in docs.values()):
         lines.append("### `te-gqa-fix doctor --json` on the same machine")
