@@ -1,10 +1,11 @@
 """Start-up activation (``TE_GQA_FIX_AUTOPATCH``), tested in fresh interpreters.
 
-Each test runs a subprocess with a small fake ``transformer_engine`` written to a temp
-dir: ``pytorch/__init__.py`` imports ``cpp_extensions`` and an attention ``backends``
-module that binds ``fused_attn_bwd`` by name, as TE does. The fake backward returns dK/dV
-full of 7.0 (stale values in every row), so a call through the consumer shows whether
-the rows that must be 0 were zeroed, i.e. whether TE's own call site was patched.
+Each test runs a subprocess with the one fake ``transformer_engine`` (``fakes.te_package``)
+written to a temp dir: ``pytorch/__init__.py`` imports ``cpp_extensions`` and the attention
+consumers that bind ``fused_attn_bwd`` by name, as TE does. The fake backward returns
+stale values (random, NaN, Inf) in every dK/dV row, so a call through the ``backends``
+consumer shows whether the rows that must be 0 were zeroed, i.e. whether TE's own call site
+was patched.
 
 The shipped start-up file is exercised for real: the subprocess calls
 ``site.addsitedir`` on a temp dir holding a copy of ``src/te_gqa_fix_autopatch.pth``, which
@@ -27,6 +28,7 @@ import pytest
 
 import _te_gqa_fix_autopatch as boot
 import te_gqa_fix.autopatch
+from fakes import te_package
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
@@ -34,71 +36,13 @@ PTH = SRC / boot.PTH_NAME
 FUSED_ATTN = "transformer_engine.pytorch.cpp_extensions.fused_attn"
 BACKENDS = "transformer_engine.pytorch.attention.dot_product_attention.backends"
 
-_FUSED_ATTN_PY = """\
-import torch
-
-CALLS = []
-
-
-def fused_attn_bwd(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o,
-                   d_o, fake_dtype, aux_ctx_tensors, fused_attention_backend,
-                   cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, attn_scale=None,
-                   dropout=0.0, fast_zero_fill=True, qkv_layout="sbh3d", o_format="sbhd",
-                   do_format="sbhd", dqkv_layout="sbh3d", attn_bias_type="no_bias",
-                   attn_mask_type="padding", softmax_type="vanilla", window_size=(-1, -1),
-                   bottom_right_diagonal=None, deterministic=False, cuda_graph=False):
-    CALLS.append(qkv_layout)
-    # Stale workspace everywhere: the post-pass must zero the rows whose gradient is 0.
-    return [torch.full_like(q, 7.0), torch.full_like(k, 7.0), torch.full_like(v, 7.0), None]
-"""
-
-_FUSED_ATTN_BROKEN_PY = """\
-# A TE whose fused_attn module lacks the symbol: te_gqa_fix.install() must fail.
-def something_else():
-    return None
-"""
-
-_BACKENDS_PY = '''\
-from transformer_engine.pytorch.cpp_extensions import fused_attn_bwd
-
-
-def backward(*args, **kwargs):
-    """Stands in for FusedAttnFunc.backward: calls the name bound at import time."""
-    return fused_attn_bwd(*args, **kwargs)
-'''
-
 
 def write_fake_te(root: Path, broken: bool = False) -> Path:
-    """Write the fake TE package under ``root`` and return ``root``."""
-    files: Dict[str, str] = {
-        "transformer_engine/__init__.py": '__version__ = "2.20.2"\n',
-        "transformer_engine/pytorch/__init__.py": (
-            "from . import cpp_extensions\n"
-            "from .attention.dot_product_attention import backends\n"
-            "IMPORTED = True\n"
-        ),
-        "transformer_engine/pytorch/cpp_extensions/__init__.py": (
-            "from .fused_attn import *\n" if broken else "from .fused_attn import fused_attn_bwd\n"
-        ),
-        "transformer_engine/pytorch/cpp_extensions/fused_attn.py": (
-            _FUSED_ATTN_BROKEN_PY if broken else _FUSED_ATTN_PY
-        ),
-        "transformer_engine/pytorch/attention/__init__.py": "",
-        "transformer_engine/pytorch/attention/dot_product_attention/__init__.py": "",
-        "transformer_engine/pytorch/attention/dot_product_attention/backends.py": (
-            "def backward(*a, **k):\n    raise RuntimeError('broken TE')\n"
-            if broken
-            else _BACKENDS_PY
-        ),
-    }
-    for rel, text in files.items():
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return root
+    """The one fake TE (``fakes.te_package``); ``broken``: its ``fused_attn`` module lacks
+    ``fused_attn_bwd``, so ``te_gqa_fix.install()`` must fail."""
+    return te_package.write_fake_te(root, signature=None if broken else "2.20")
 
 
-# Runs inside the subprocess: call TE's consumer on the seed batch and report.
 _PROBE = """
 import json, sys
 
@@ -113,19 +57,27 @@ def _probe():
     if fa is not None and be is not None:
         out["defining_patched"] = bool(getattr(fa.fused_attn_bwd, "__te_gqa_fix_wrapper__", False))
         out["consumer_patched"] = bool(getattr(be.fused_attn_bwd, "__te_gqa_fix_wrapper__", False))
-        import torch
+        import inspect, torch
         i32 = dict(dtype=torch.int32)
         q = torch.randn(12, 2, 8)
         k = torch.randn(12, 1, 8)
-        dq, dk, dv, _ = be.backward(
-            64, 64, torch.tensor([0, 0, 3], **i32), torch.tensor([0, 3, 9], **i32),
-            q, k, k.clone(), q.clone(), q.clone(), torch.float16, [], "F16_arbitrary_seqlen",
+        arguments = {
+            n: p.default for n, p in inspect.signature(fa.fused_attn_bwd).parameters.items()
+        }
+        arguments.update(
+            max_seqlen_q=64, max_seqlen_kv=64, cu_seqlens_q=torch.tensor([0, 0, 3], **i32),
+            cu_seqlens_kv=torch.tensor([0, 3, 9], **i32), q=q, k=k, v=k.clone(), o=q.clone(),
+            d_o=q.clone(), fake_dtype=torch.float16, aux_ctx_tensors=[],
+            fused_attention_backend="F16_arbitrary_seqlen",
             cu_seqlens_q_padded=torch.tensor([0, 4, 12], **i32),
             cu_seqlens_kv_padded=torch.tensor([0, 4, 12], **i32),
-            qkv_layout="thd_thd_thd", attn_mask_type="padding_causal", window_size=(-1, 0),
+            qkv_layout="thd_thd_thd", dqkv_layout="thd_thd_thd",
+            attn_mask_type="padding_causal", window_size=(-1, 0),
         )
-        out["dk_rows"] = [float(dk[r].abs().max()) for r in range(12)]
-        out["dv_rows"] = [float(dv[r].abs().max()) for r in range(12)]
+        grads = be.backward(arguments)  # TE's consumer: every argument positional
+        dk, dv = grads[1], grads[2]
+        out["dk_rows"] = [bool((dk[r] == 0).all()) for r in range(12)]
+        out["dv_rows"] = [bool((dv[r] == 0).all()) for r in range(12)]
         out["loader_type"] = type(sys.modules["transformer_engine.pytorch"].__loader__).__name__
         out["loader_exec_overridden"] = "exec_module" in vars(
             sys.modules["transformer_engine.pytorch"].__loader__)
@@ -136,9 +88,10 @@ def _probe():
 
 # Seed batch, padding_causal (top-left): sequence 0 has no queries (rows 0-3: 0),
 # sequence 1 has 3 queries and 6 keys, so keys 0-2 (rows 4-6) are attended and rows 7-11
-# (keys 3-5 outside the causal window, then padding) must be 0. Stale value: 7.0.
-EXPECTED_FIXED_ROWS = [0.0] * 4 + [7.0] * 3 + [0.0] * 5
-UNPATCHED_ROWS = [7.0] * 12
+# (keys 3-5 outside the causal window, then padding) must be 0. The fake TE returns stale
+# (non-zero, NaN, Inf) values in every row; a row reads True when it is all zeros.
+EXPECTED_FIXED_ROWS = [True] * 4 + [False] * 3 + [True] * 5
+UNPATCHED_ROWS = [False] * 12
 
 
 def run_python(
@@ -161,7 +114,8 @@ def run_python(
         shutil.copy(PTH, pdir / PTH.name)
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("TE_GQA_FIX")}
     full_env["PYTHONPATH"] = os.pathsep.join(
-        [str(fake), str(SRC)] + ([full_env["PYTHONPATH"]] if full_env.get("PYTHONPATH") else [])
+        [*te_package.pythonpath(fake), str(SRC)]
+        + ([full_env["PYTHONPATH"]] if full_env.get("PYTHONPATH") else [])
     )
     full_env.update(env or {})
     return subprocess.run(
@@ -268,13 +222,13 @@ def test_failure_is_logged_and_the_program_continues(tmp_path: Path) -> None:
         ADDSITE
         + IMPORT_TE
         + "import transformer_engine.pytorch as tp\n"
-        + "print('IMPORTED', tp.IMPORTED)\n"
+        + "print('IMPORTED', tp.__name__)\n"
         + "import _te_gqa_fix_autopatch as b\n"
         + "print('ERROR', b.state()['error'])\n"
     )
     proc = run_python(code, tmp_path, {boot.ENV_AUTOPATCH: "1"}, broken=True)
     assert proc.returncode == 0, proc.stderr
-    assert "IMPORTED True" in proc.stdout
+    assert "IMPORTED transformer_engine.pytorch" in proc.stdout
     assert "ERROR ImportError" in proc.stdout
     assert "could not be installed" in proc.stderr  # the warning reaches stderr by default
     assert "WITHOUT the fix" in proc.stderr

@@ -20,6 +20,7 @@ from typing import Dict, Optional, Tuple
 import pytest
 
 from fakes import cudnn_builds as fb
+from fakes import te_package
 from te_gqa_fix import affected, cudnn, guard
 from te_gqa_fix.stack import RuntimeFacts
 
@@ -215,13 +216,13 @@ def test_refuses_once_a_cudnn_is_loaded(builds: Dict[str, Path], tmp_path: Path)
 
 
 def _hook_env(builds: Dict[str, Path], tmp_path: Path, **env: str) -> Dict[str, str]:
-    fake = fb.fake_te_loading_cudnn(tmp_path / "fake_te")
+    fake = te_package.write_fake_te(tmp_path / "fake_te", cudnn_version=None)
     site_dir = tmp_path / "site_dir"
     site_dir.mkdir(exist_ok=True)
     shutil.copy(PTH, site_dir / PTH.name)
     return {
         # the fixed wheel build is on sys.path, as an environment's site-packages is
-        "PYTHONPATH_FIRST": os.pathsep.join([str(fake), str(builds["fixed"])]),
+        "PYTHONPATH_FIRST": os.pathsep.join([*te_package.pythonpath(fake), str(builds["fixed"])]),
         "FAKE_TE_SYSTEM_CUDNN": str(builds["system"] / "lib" / "libcudnn.so.9"),
         "SITE_DIR": str(site_dir),
         **env,
@@ -240,8 +241,8 @@ PROBE = (
     "err = None\n"
     "try:\n"
     "    import transformer_engine.pytorch\n"
-    "    import transformer_engine_torch as tex\n"
-    "    te = tex.get_cudnn_version()\n"
+    "    from transformer_engine.pytorch.utils import get_cudnn_version\n"
+    "    te = list(get_cudnn_version())\n"
     "except ImportError as exc:\n"
     "    te, err = None, str(exc)\n"
     "route = sys.modules['te_gqa_fix.cudnn'].route_state() if 'te_gqa_fix.cudnn' in sys.modules "
@@ -268,7 +269,7 @@ def test_off_imports_nothing_and_loads_nothing(
     out = probe(run_python(PROBE, env, tmp_path))
     assert not any(out["early"].values()), out["early"]
     assert out["route"] is None
-    assert out["te"] == 91400  # TE runs the system copy it loaded itself
+    assert out["te"] == [9, 14, 0]  # TE runs the system copy it loaded itself
     assert all("site_fixed" not in p for p in out["maps"])
 
 
@@ -288,7 +289,7 @@ def test_auto_loads_the_fixed_build_before_te_and_te_runs_it(
         "torch": False,
     }
     assert out["early_maps"] == []
-    assert out["te"] == 91900, proc.stdout + proc.stderr
+    assert out["te"] == [9, 19, 0], proc.stdout + proc.stderr
     assert out["route"]["chosen_version"] == "9.19.0"
     assert out["route"]["verified"] is True and out["route"]["te_cudnn"] == "9.19.0"
     assert any("site_fixed" in p for p in out["maps"])
@@ -311,7 +312,7 @@ def test_te_running_another_cudnn_is_reported_or_fails_the_import(
     if strict:
         assert out["te"] is None and "Transformer Engine runs cuDNN 9.14.0" in out["err"]
     else:
-        assert out["te"] == 91400 and out["err"] is None
+        assert out["te"] == [9, 14, 0] and out["err"] is None
         assert "LOG WARNING" in proc.stdout and "runs cuDNN 9.14.0" in proc.stdout
 
 
@@ -321,14 +322,16 @@ def test_auto_with_no_fixed_build_logs_or_fails(
     builds: Dict[str, Path], tmp_path: Path, strict: bool
 ) -> None:
     env = _hook_env(builds, tmp_path, **{cudnn.ENV_CUDNN: "strict" if strict else "auto"})
-    env["PYTHONPATH_FIRST"] = os.pathsep.join([str(tmp_path / "fake_te"), str(builds["old"])])
+    env["PYTHONPATH_FIRST"] = os.pathsep.join(
+        [*te_package.pythonpath(tmp_path / "fake_te"), str(builds["old"])]
+    )
     proc = run_python(PROBE, env, tmp_path)
     out = probe(proc)
     if strict:
         assert out["te"] is None and "found no cuDNN >= 9.18" in out["err"]
         assert "pip install" in out["err"]
     else:
-        assert out["te"] == 91400
+        assert out["te"] == [9, 14, 0]
         assert "found no cuDNN >= 9.18" in proc.stdout and "9.14.0" in proc.stdout
 
 

@@ -640,15 +640,6 @@ def use_fixed_cudnn(
     return build
 
 
-def _te_reported_cudnn() -> Optional[Tuple[int, int, int]]:
-    try:
-        import transformer_engine_torch as tex  # loaded by transformer_engine.pytorch
-
-        return decode_cudnn_version(int(tex.get_cudnn_version()))
-    except Exception:
-        return None
-
-
 def verify_te_cudnn(strict: Optional[bool] = None) -> Optional[bool]:
     """After ``transformer_engine.pytorch`` is imported: does TE run the chosen build?
 
@@ -657,8 +648,10 @@ def verify_te_cudnn(strict: Optional[bool] = None) -> Optional[bool]:
     """
     if _route.chosen is None:
         return None
+    from .stack import te_cudnn_version  # the one reader; imported late: stack imports us
+
     strict = _route.strict if strict is None else strict
-    te = _te_reported_cudnn()
+    te = te_cudnn_version()
     _route.te_cudnn = _vstr(te)
     want = _route.chosen.version
     ok = te is not None and want is not None and tuple(te) == tuple(want[:3])

@@ -5,7 +5,9 @@ symbol wins), so its tests load real ELF files: each fake build is ``libcudnn.so
 ``libcudnn.so.9``, exporting ``cudnnGetVersion`` that returns the build's version) plus the
 seven sub-libraries, compiled with the machine's C compiler, laid out like a wheel
 (``nvidia/cudnn/lib`` + ``include/cudnn_version.h`` + an ``nvidia_cudnn_cu13-*.dist-info``)
-or like a system install (``libcudnn.so.9.14.0``). Loading happens in subprocesses only.
+or like a system install (``libcudnn.so.9.14.0``). Loading happens in subprocesses only,
+with the one fake TE (``fakes.te_package.write_fake_te(..., cudnn_version=None)``) loading
+the "system" build the way TE's loader does.
 """
 
 from __future__ import annotations
@@ -95,48 +97,3 @@ def wheel_build(
 def system_build(root: Path, version: Tuple[int, int, int]) -> Path:
     """A system-style build: ``root/lib/libcudnn.so.9.14.0`` with ``.so.9`` links."""
     return write_libs(root / "lib", version, suffix=".".join(map(str, version)))
-
-
-_FAKE_TE_INIT = '''\
-"""Fake Transformer Engine that loads cuDNN the way TE does (tests only)."""
-import ctypes
-import os
-
-__version__ = "2.20.2"
-# TE's _load_cuda_library: the system copy first, by path, into the global scope.
-_CUDNN = ctypes.CDLL(os.environ["FAKE_TE_SYSTEM_CUDNN"], mode=ctypes.RTLD_GLOBAL)
-'''
-
-_FAKE_TE_PYTORCH = "import transformer_engine_torch  # noqa: F401\n"
-
-_FAKE_TEX = '''\
-"""Fake transformer_engine_torch: reports the cuDNN its calls bind to (the global scope)."""
-import ctypes
-import os
-
-_REPORT = os.environ.get("FAKE_TE_REPORTS")
-
-
-def get_cudnn_version():
-    if _REPORT:  # a TE that reports another version than the route loaded
-        return int(_REPORT)
-    fn = ctypes.CDLL(None).cudnnGetVersion
-    fn.restype = ctypes.c_size_t
-    return int(fn())
-'''
-
-
-def fake_te_loading_cudnn(root: Path) -> Path:
-    """A fake ``transformer_engine`` whose import loads ``$FAKE_TE_SYSTEM_CUDNN`` with
-    ``RTLD_GLOBAL`` (as TE's loader does) and whose ``transformer_engine_torch`` reports
-    the ``cudnnGetVersion`` that symbol lookup in the global scope finds."""
-    files = {
-        "transformer_engine/__init__.py": _FAKE_TE_INIT,
-        "transformer_engine/pytorch/__init__.py": _FAKE_TE_PYTORCH,
-        "transformer_engine_torch.py": _FAKE_TEX,
-    }
-    for rel, text in files.items():
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return root

@@ -285,6 +285,32 @@ def backward(arguments):
 '''
 
 
+_LOADS_SYSTEM_CUDNN = """
+import ctypes as _ctypes
+import os as _os
+
+# TE's _load_cuda_library: the system copy first, by path, into the global scope.
+_CUDNN = _ctypes.CDLL(_os.environ["FAKE_TE_SYSTEM_CUDNN"], mode=_ctypes.RTLD_GLOBAL)
+"""
+
+_CUDNN_FROM_GLOBAL_SCOPE = """\
+import ctypes
+import os
+
+
+def get_cudnn_version():
+    \"\"\"The cuDNN TE's calls bind to: the global scope's cudnnGetVersion.\"\"\"
+    report = os.environ.get("FAKE_TE_REPORTS")  # a TE that reports another version
+    if report:
+        v = int(report)
+    else:
+        fn = ctypes.CDLL(None).cudnnGetVersion
+        fn.restype = ctypes.c_size_t
+        v = int(fn())
+    return (v // 10000, v % 10000 // 100, v % 100)
+"""
+
+
 def write_fake_te(
     root: Path,
     *,
@@ -293,7 +319,7 @@ def write_fake_te(
     bug: str = "affected",
     consumers: bool = True,
     context_parallel: bool = False,
-    cudnn_version: Tuple[int, int, int] = (9, 14, 0),
+    cudnn_version: Optional[Tuple[int, int, int]] = (9, 14, 0),
     version: str = "2.20.2",
 ) -> Path:
     """Write the fake packages under ``root`` (put ``root`` and :data:`TESTS` on the path).
@@ -304,7 +330,11 @@ def write_fake_te(
     ``fused_attn_bwd`` by name (backends, context_parallel, late_consumer, fake_framework),
     whose calls carry :data:`MUST_BE_PATCHED`. ``context_parallel``: ``DotProductAttention``
     with ``set_context_parallel_group`` and TE's THD partitioning helper (``fakes.te_cp``),
-    for the CP harness's dry run. ``cudnn_version``: what ``get_cudnn_version`` reports.
+    for the CP harness's dry run. ``cudnn_version``: what ``get_cudnn_version`` reports;
+    None makes the fake load cuDNN the way TE's loader does (``$FAKE_TE_SYSTEM_CUDNN``, by
+    path, ``RTLD_GLOBAL``, when ``transformer_engine`` is imported) and report the
+    ``cudnnGetVersion`` that symbol lookup in the global scope binds to (or
+    ``$FAKE_TE_REPORTS``): what the cuDNN route's tests need (``fakes.cudnn_builds``).
     """
     assert kernel in KERNELS and bug in BUGS, (kernel, bug)
     config = {"kernel": kernel, "bug": bug}
@@ -322,16 +352,19 @@ def write_fake_te(
         imports.append("from .attention.dot_product_attention import backends, context_parallel")
     if context_parallel:
         imports.append("from .attention import DotProductAttention")
+    top = f'"""Fake TE (tests only)."""\n__version__ = "{version}"\n'
+    utils = f"def get_cudnn_version():\n    return {tuple(cudnn_version or ())!r}\n"
+    if cudnn_version is None:
+        top += _LOADS_SYSTEM_CUDNN
+        utils = _CUDNN_FROM_GLOBAL_SCOPE
     files = {
-        "transformer_engine/__init__.py": f'"""Fake TE (tests only)."""\n__version__ = "{version}"\n',
+        "transformer_engine/__init__.py": top,
         "transformer_engine/pytorch/__init__.py": (
             '"""Fake transformer_engine.pytorch: loads the consumers, as TE does."""\n'
             + "\n".join(imports)
             + "\n"
         ),
-        "transformer_engine/pytorch/utils.py": (
-            f"def get_cudnn_version():\n    return {tuple(cudnn_version)!r}\n"
-        ),
+        "transformer_engine/pytorch/utils.py": utils,
         "transformer_engine/pytorch/constants.py": (
             "import torch\n\nTE_DType = {torch.float16: 'kFloat16', torch.bfloat16: 'kBFloat16'}\n"
         ),
