@@ -95,14 +95,14 @@ def stub_triton() -> None:
         # Pretend the CPU tensors live on CUDA device 0, so the direct launch is taken.
         triton_postpass._raw_stream = lambda index: 0  # type: ignore[attr-defined]
         triton_postpass._current_device = lambda: 0  # type: ignore[attr-defined]
-        make_plan = triton_postpass._make_plan
+        make_plan = triton_postpass._make_launch_plan
 
         def plan_on_device_0(*args: Any) -> Any:
             plan = make_plan(*args)
             plan.device_index = 0
             return plan
 
-        triton_postpass._make_plan = plan_on_device_0  # type: ignore[assignment]
+        triton_postpass._make_launch_plan = plan_on_device_0  # type: ignore[assignment]
     import te_gqa_fix.postpass as pp
 
     pp._use_triton = lambda impl, dk: impl != "torch"  # type: ignore[assignment]

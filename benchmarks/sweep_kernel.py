@@ -115,7 +115,7 @@ def host_overhead(wl: bp.Workload, n: int = 2000) -> Dict[str, float]:
     dk, dv = kv[:, 0], kv[:, 1]
     x = torch.empty(64, device="cuda")
     kernel = tp._build()
-    plan = tp._plan(dq, dk, dv, True, len(wl.lq), span, (torch.int32,) * 4)
+    plan = tp._launch_plan(dq, dk, dv, True, len(wl.lq), span, (torch.int32,) * 4)
     grid, scalars, meta = plan.grid, plan.scalars, plan.meta
     args = (dq, dk, dv, cu_q, cu_kv, pad, pad, plan.err, *scalars)
     chain = {

@@ -325,7 +325,7 @@ def _fake_cuda(monkeypatch: pytest.MonkeyPatch, kernel: _Kernel) -> _Hooks:
     monkeypatch.setattr(triton_postpass, "_raw_stream", lambda index: 1234)
     monkeypatch.setattr(triton_postpass, "_runtime_knobs", hooks)
     monkeypatch.setattr(triton_postpass, "_fast_ok", True)
-    monkeypatch.setattr(triton_postpass, "_plans", {})
+    monkeypatch.setattr(triton_postpass, "_launch_plans", {})
     return hooks
 
 
@@ -335,7 +335,9 @@ def _plan_and_tensors(offset: int = 0) -> Tuple[Any, tuple]:
     dk, dv = torch.zeros(20, 2, 4), torch.zeros(20, 2, 4)
     cu = torch.tensor([0, 5, 20], dtype=torch.int32)
     tensors = (dq, dk, dv, cu, cu, cu, cu)
-    plan = triton_postpass._plan(dq, dk, dv, True, 2, key_span("padding_causal"), (cu.dtype,) * 4)
+    plan = triton_postpass._launch_plan(
+        dq, dk, dv, True, 2, key_span("padding_causal"), (cu.dtype,) * 4
+    )
     plan.device_index = 0
     return plan, tensors
 
@@ -454,9 +456,9 @@ def test_interpreter_or_cpu_never_takes_the_direct_path(monkeypatch: pytest.Monk
 def test_plan_key_separates_offset_dtypes() -> None:
     dq, dk, dv = torch.zeros(8, 2, 4), torch.zeros(8, 1, 4), torch.zeros(8, 1, 4)
     span = key_span("padding_causal")
-    a = triton_postpass._plan(dq, dk, dv, True, 2, span, (torch.int32,) * 4)
-    b = triton_postpass._plan(dq, dk, dv, True, 2, span, (torch.int64,) * 4)
-    c = triton_postpass._plan(dq, dk, dv, True, 2, span, (torch.int32,) * 4)
+    a = triton_postpass._launch_plan(dq, dk, dv, True, 2, span, (torch.int32,) * 4)
+    b = triton_postpass._launch_plan(dq, dk, dv, True, 2, span, (torch.int64,) * 4)
+    c = triton_postpass._launch_plan(dq, dk, dv, True, 2, span, (torch.int32,) * 4)
     assert a is not b and a is c
 
 
@@ -498,7 +500,7 @@ def test_gpu_wrapper_fast_path_no_sync_and_cuda_graph(monkeypatch: pytest.Monkey
     call()
     call()  # the second call takes the direct launch
     torch.cuda.synchronize()
-    plans = [p for p in triton_postpass._plans.values() if p.compiled]
+    plans = [p for p in triton_postpass._launch_plans.values() if p.compiled]
     assert plans, "the direct launch was never armed"
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -45,6 +45,7 @@ __all__ = [
     "pip_hint",
     "resolve_versions",
     "route_state",
+    "te_cudnn_version",
     "use_fixed_cudnn",
     "verify_te_cudnn",
 ]
@@ -640,6 +641,28 @@ def use_fixed_cudnn(
     return build
 
 
+def te_cudnn_version() -> Optional[Tuple[int, int, int]]:
+    """The cuDNN Transformer Engine runs, from TE itself; None when TE cannot say.
+
+    Needs ``transformer_engine.pytorch`` imported (it loads TE's extension); never imports it
+    (None before), since importing TE is what picks its cuDNN.
+    """
+    if "transformer_engine.pytorch" not in sys.modules:
+        return None
+    try:
+        from transformer_engine.pytorch.utils import get_cudnn_version
+
+        return tuple(int(x) for x in get_cudnn_version())[:3]  # type: ignore[return-value]
+    except Exception:
+        pass
+    try:
+        import transformer_engine_torch as tex
+
+        return decode_cudnn_version(int(tex.get_cudnn_version()))
+    except Exception:
+        return None
+
+
 def verify_te_cudnn(strict: Optional[bool] = None) -> Optional[bool]:
     """After ``transformer_engine.pytorch`` is imported: does TE run the chosen build?
 
@@ -648,8 +671,6 @@ def verify_te_cudnn(strict: Optional[bool] = None) -> Optional[bool]:
     """
     if _route.chosen is None:
         return None
-    from .stack import te_cudnn_version  # the one reader; imported late: stack imports us
-
     strict = _route.strict if strict is None else strict
     te = te_cudnn_version()
     _route.te_cudnn = _vstr(te)

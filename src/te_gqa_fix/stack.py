@@ -21,7 +21,7 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Optional, Tuple
 
-from .cudnn import decode_cudnn_version, mapped_cudnn_libraries
+from .cudnn import decode_cudnn_version, mapped_cudnn_libraries, te_cudnn_version
 
 __all__ = [
     "RuntimeFacts",
@@ -68,25 +68,6 @@ def gpu_info() -> Dict[str, Any]:
     info["name"] = torch.cuda.get_device_name(dev)
     info["capability"] = list(torch.cuda.get_device_capability(dev))
     return info
-
-
-def te_cudnn_version() -> Optional[Tuple[int, int, int]]:
-    """The cuDNN Transformer Engine runs, from TE itself; None when TE cannot say.
-
-    Needs ``transformer_engine.pytorch`` imported (it loads TE's extension); never imports it.
-    """
-    try:
-        from transformer_engine.pytorch.utils import get_cudnn_version
-
-        return tuple(int(x) for x in get_cudnn_version())[:3]  # type: ignore[return-value]
-    except Exception:
-        pass
-    try:
-        import transformer_engine_torch as tex
-
-        return decode_cudnn_version(int(tex.get_cudnn_version()))
-    except Exception:
-        return None
 
 
 def te_info() -> Dict[str, Any]:

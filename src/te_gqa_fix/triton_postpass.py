@@ -471,11 +471,11 @@ class _LaunchPlan:
 
 #: Launch plans by tensor metadata (shapes, strides, batch size, mask): the host work
 #: between two calls with the same layout is then a dict lookup. Bounded; cleared when full.
-_plans: Dict[tuple, _LaunchPlan] = {}
+_launch_plans: Dict[tuple, _LaunchPlan] = {}
 _MAX_PLANS = 256
 
 
-def _plan(
+def _launch_plan(
     q_t: torch.Tensor,
     dk: torch.Tensor,
     dv: torch.Tensor,
@@ -496,17 +496,17 @@ def _plan(
         dv.stride(), dv.dtype, has_q, nseq, span, dk.device, offset_dtypes, BLOCK_T,
         BLOCK_C, _PROGRAMS_PER_SM, _NUM_WARPS, _MAX_TILES, padded_given,
     )  # fmt: skip
-    plan = _plans.get(key)
+    plan = _launch_plans.get(key)
     if plan is not None:
         return plan
-    plan = _make_plan(q_t, dk, dv, has_q, nseq, span, padded_given)
-    if len(_plans) >= _MAX_PLANS:
-        _plans.clear()
-    _plans[key] = plan
+    plan = _make_launch_plan(q_t, dk, dv, has_q, nseq, span, padded_given)
+    if len(_launch_plans) >= _MAX_PLANS:
+        _launch_plans.clear()
+    _launch_plans[key] = plan
     return plan
 
 
-def _make_plan(
+def _make_launch_plan(
     q_t: torch.Tensor,
     dk: torch.Tensor,
     dv: torch.Tensor,
@@ -701,7 +701,7 @@ def _launch(
     )
     dtypes = tuple(t.dtype for t in tensors[3:])
     given = (cu_seqlens_q_padded is not None, cu_seqlens_kv_padded is not None)
-    plan = _plan(q_t, dk, dv, dq is not None, cu_seqlens_q.numel() - 1, span, dtypes, given)
+    plan = _launch_plan(q_t, dk, dv, dq is not None, cu_seqlens_q.numel() - 1, span, dtypes, given)
     _run(plan, tensors)
 
 
@@ -771,7 +771,7 @@ class Launches:
                 dtypes = tuple(t.dtype for t in _tensors(q_t, dk, dv, *offsets)[3:])
                 nseq = offsets[0].numel() - 1
                 given = (offsets[2] is not None, offsets[3] is not None)
-                plan = _plan(q_t, dk, dv, dq is not None, nseq, span, dtypes, given)
+                plan = _launch_plan(q_t, dk, dv, dq is not None, nseq, span, dtypes, given)
             if len(self.plans) >= _MAX_PLANS:
                 self.plans.clear()
             self.plans[key] = plan

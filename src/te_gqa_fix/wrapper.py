@@ -173,7 +173,7 @@ _Tensor = torch.Tensor
 _MAX_PLANS = 256
 
 
-class _Plan:
+class _Decision:
     """What the wrapper does for one call shape, decided once and reused.
 
     ``fix`` False means "understood, nothing to do" (MHA under auto, non-THD dK/dV).
@@ -239,7 +239,7 @@ def _decide(
     layout_name: str,
     layout: object,
     offsets: tuple,
-) -> Optional[_Plan]:
+) -> Optional[_Decision]:
     """Decide from metadata alone (no sync) whether and how to post-process this call shape.
 
     Runs on the first call of each shape (and on every call the cache cannot key); its
@@ -253,7 +253,7 @@ def _decide(
         return None
     fix_q, fix_kv = formats
     if not fix_kv:
-        return _Plan(False)
+        return _Decision(False)
     k = binder.get(args, kwargs, "k")
     v = binder.get(args, kwargs, "v")
     guard = _guard_dims(device_index, q, v)
@@ -261,7 +261,7 @@ def _decide(
         check_head_dims(*guard)
     h_q, h_kv = _heads(q), _heads(k)
     if policy == "auto" and h_q is not None and h_q == h_kv:
-        return _Plan(False, guard=guard)
+        return _Decision(False, guard=guard)
     check_metadata(q if fix_q else None, k, v, *offsets, h_q, h_kv, names=("q", "k", "v"))
     span = key_span(
         binder.get(args, kwargs, "attn_mask_type"),
@@ -274,16 +274,16 @@ def _decide(
 
         if triton_postpass.available():
             launches = triton_postpass.Launches()
-    return _Plan(True, fix_q, span, guard, launches)
+    return _Decision(True, fix_q, span, guard, launches)
 
 
 def _hashable(x: object) -> object:
     return tuple(x) if isinstance(x, list) else x
 
 
-def _plan(
-    binder: _Args, args: Sequence, kwargs: Mapping[str, Any], cache: Dict[tuple, _Plan]
-) -> Optional[Tuple[_Plan, tuple]]:
+def _prepare(
+    binder: _Args, args: Sequence, kwargs: Mapping[str, Any], cache: Dict[tuple, _Decision]
+) -> Optional[Tuple[_Decision, tuple]]:
     """``(plan, offsets)`` when this call needs the post-pass, else None (counted).
 
     The hot path: the policy, the fixed-cuDNN pass-through, then one tuple of the call's
@@ -343,7 +343,7 @@ def _plan(
     return plan, offsets
 
 
-def _apply(plan: _Plan, offsets: tuple, out: object) -> None:
+def _apply(plan: _Decision, offsets: tuple, out: object) -> None:
     if not isinstance(out, (list, tuple)) or len(out) < 3:
         _passthrough(
             ("output", type(out).__name__),
@@ -366,7 +366,7 @@ def _new_wrapper(original: Callable) -> Callable:
     """
     if is_wrapper(original):
         return original
-    cache: Dict[tuple, _Plan] = {}
+    cache: Dict[tuple, _Decision] = {}
     try:
         binder: Optional[_Args] = _Args(original)
     except (TypeError, ValueError) as exc:
@@ -384,7 +384,7 @@ def _new_wrapper(original: Callable) -> Callable:
                 reason,
             )
             return original(*args, **kwargs)
-        decided = _plan(binder, args, kwargs, cache)
+        decided = _prepare(binder, args, kwargs, cache)
         out = original(*args, **kwargs)
         if decided is not None:
             _apply(decided[0], decided[1], out)
