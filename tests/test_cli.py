@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fakes import te_package
-from te_gqa_fix import affected, cudnn, doctor, stack
+from te_gqa_fix import affected, cudnn, doctor, doctor_text, stack
 from te_gqa_fix.cli import main
 from te_gqa_fix.plan import PlanInput, build_plan
 from te_gqa_fix.postpass import dead_row_masks
@@ -477,7 +477,7 @@ def test_collect_wires_facts_live_check_and_fix_state(
     assert report["fix"]["installed"] is installed
     if te_cudnn != "9.19.0":
         assert any("torch's cuDNN is 9.19.0" in w for w in report["warnings"])
-    text = doctor.format_report(report)
+    text = doctor_text.format_report(report)
     assert f"(exit {code})" in text and "cuDNN (TE runs)      " + te_cudnn in text
 
 
@@ -636,7 +636,7 @@ def test_doctor_names_the_switch_to_an_unused_fixed_build(
     assert report["advice"].startswith("set TE_GQA_FIX_CUDNN=auto")
     runs = {b["version"]: b["te_runs"] for b in report["cudnn_builds"]}
     assert runs == {"9.19.0": False, "9.14.0": True}
-    text = doctor.format_report(report)
+    text = doctor_text.format_report(report)
     assert "switch to fixed cuDNN TE_GQA_FIX_CUDNN=auto" in text
     assert "9.19.0    /venv/site-packages/nvidia/cudnn/lib  (wheel, fixed)" in text
     assert "runs on THD backward calls" in report["post_pass"]
@@ -670,4 +670,4 @@ def test_doctor_on_the_route_is_healthy_even_for_head_dim_256(
     assert report["cudnn_route"]["switch"] is None
     assert report["warnings"] == [] and report["notes"]
     assert report["post_pass"].startswith("pass-through")
-    assert "TE_GQA_FIX_CUDNN     auto: loaded cuDNN 9.19.0" in doctor.format_report(report)
+    assert "TE_GQA_FIX_CUDNN     auto: loaded cuDNN 9.19.0" in doctor_text.format_report(report)

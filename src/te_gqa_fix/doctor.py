@@ -3,19 +3,12 @@
 Users run someone else's training stack in a pinned container and usually do not know
 which cuDNN Transformer Engine really runs: TE loads cuDNN from the system (CUDNN_HOME,
 CUDA_HOME, /usr/local/cuda, the loader path) before the copy that torch ships, so on the
-H200 test machine TE silently takes 9.14 while torch has 9.19. This module gathers the
-facts (versions, GPU, the cuDNN TE reports and the cuDNN files actually mapped into the
-process), turns them into a verdict from what is known about the bug, and, where a GPU
-and TE are present, runs the seed case for real with and without the fix.
-
-Known facts the verdict uses (see docs and ``bug-anatomy``):
-
-* Hopper (sm90) with cuDNN older than 9.18, THD layout, GQA/MQA: TE's ``fused_attn_bwd``
-  sums never-written workspace into dK/dV rows of sequences without queries. Affected;
-  te-gqa-fix repairs it.
-* Head dim above 128 on such a cuDNN is wrong on live rows too: no post-pass can repair
-  it; use cuDNN 9.18 or newer.
-* cuDNN 9.18+ fixes the workspace initialisation (upstream); 9.19 measured clean.
+H200 test machine TE silently takes 9.14 while torch has 9.19. This module asks
+:mod:`te_gqa_fix.stack` and :mod:`te_gqa_fix.cudnn` for the facts (versions, GPU, the cuDNN
+TE reports, the cuDNN files mapped into the process and every build on disk), asks
+:mod:`te_gqa_fix.affected` (the one rule) for a verdict, runs the seed case for real with
+and without the fix where a GPU and TE are present, and decides the exit code;
+:mod:`te_gqa_fix.doctor_text` prints the result.
 
 Exit codes (also in ``EXIT_CODES``): 0 healthy, 1 affected and the fix not active,
 2 usage error, 3 cannot check, 4 broken beyond repair.
@@ -32,7 +25,7 @@ import sys
 from dataclasses import asdict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from . import affected, cudnn, stack
+from . import affected, cudnn, doctor_text, stack
 from .cudnn import CudnnLibrary
 
 __all__ = [
@@ -45,7 +38,6 @@ __all__ = [
     "collect",
     "cudnn_library_warnings",
     "decide",
-    "format_report",
     "live_check",
 ]
 
@@ -437,161 +429,11 @@ def collect(live: bool = True, head_dim: Optional[int] = None) -> Dict[str, Any]
     return report
 
 
-# ----------------------------------------------------------------------------- text
-
-
-def _fmt(x: Any) -> str:
-    if isinstance(x, float):
-        return f"{x:.4g}"
-    return str(x)
-
-
-def format_report(report: Dict[str, Any]) -> str:
-    """Human-readable form of :func:`collect`'s result."""
-    te = report.get("transformer_engine", {})
-    tor = report.get("torch", {})
-    gpu = report.get("gpu", {})
-    fix = report.get("fix", {})
-    lines = ["te-gqa-fix doctor", ""]
-
-    def row(key: str, value: Any) -> None:
-        lines.append(f"  {key:<20} {value}")
-
-    row("te-gqa-fix", report.get("te_gqa_fix", {}).get("version"))
-    row("python", report.get("python"))
-    row("torch", f"{tor.get('version')} (CUDA {tor.get('cuda')})" if "version" in tor else tor)
-    te_line = te.get("version") or "not installed"
-    if te.get("error") and te.get("version"):
-        te_line += f"  [{te['error']}]"
-    row("Transformer Engine", te_line)
-    if gpu.get("available"):
-        cap = gpu.get("capability") or [0, 0]
-        row("GPU", f"{gpu.get('name')}, compute capability {cap[0]}.{cap[1]} "
-            f"(sm{cap[0]}{cap[1]}), {gpu.get('count')} device(s)")  # fmt: skip
-    else:
-        row("GPU", gpu.get("error") or "none visible to torch")
-    row("cuDNN (TE runs)", te.get("cudnn") or "unknown")
-    row("cuDNN (torch's)", tor.get("cudnn") or "unknown")
-    libs = report.get("cudnn_libraries") or []
-    if libs:
-        for i, lib in enumerate(libs):
-            row("cuDNN files mapped" if i == 0 else "", f"{lib['path']}  ({lib['version'] or '?'}, "
-                f"{lib['source']})")  # fmt: skip
-    else:
-        row("cuDNN files mapped", "none")
-    if fix.get("installed"):
-        fix_line = "ACTIVE in this process"
-        if fix.get("autopatch_fired"):
-            fix_line += " (installed by TE_GQA_FIX_AUTOPATCH at TE import)"
-    else:
-        fix_line = "not active in this process"
-    row("fix", fix_line)
-    row("post-pass", report.get("post_pass") or "unknown")
-    builds = report.get("cudnn_builds") or []
-    if builds:
-        for i, b in enumerate(builds):
-            who = [w for w, k in (("TE", "te_runs"), ("torch", "torch_runs")) if b.get(k)]
-            tags = ", ".join(
-                [b["origin"], "fixed" if b["fixed"] else "affected"]
-                + ([f"{' and '.join(who)} run{'s' if len(who) == 1 else ''} this"] if who else [])
-            )
-            row(
-                "cuDNN builds on disk" if i == 0 else "",
-                f"{b['version']:<9} {b['lib_dir']}  ({tags})",
-            )
-    else:
-        row("cuDNN builds on disk", "none found")
-    route = report.get("cudnn_route") or {}
-    if route.get("setting"):
-        state = (
-            f"loaded cuDNN {route.get('chosen_version')} from {route.get('chosen')}"
-            if route.get("chosen") and route.get("loaded")
-            else f"nothing loaded: {route.get('error')}"
-        )
-        if route.get("verified") is not None:
-            state += (
-                "; TE runs it" if route["verified"] else f"; but TE runs {route.get('te_cudnn')}"
-            )
-        row("TE_GQA_FIX_CUDNN", f"{route['setting']}: {state}")
-    else:
-        row("TE_GQA_FIX_CUDNN", "unset")
-    if route.get("switch"):
-        row("switch to fixed cuDNN", route["switch"])
-    row("TE_GQA_FIX_AUTOPATCH", fix.get("autopatch_env") or "unset")
-    row("start-up file", fix.get("start_up_file") or "not installed (is te-gqa-fix pip-installed?)")
-    if fix.get("autopatch_error"):
-        row("autopatch error", fix["autopatch_error"])
-
-    notes = report.get("notes") or []
-    if notes:
-        lines += ["", "notes:"]
-        lines += [f"  - {n}" for n in notes]
-    warnings = report.get("warnings") or []
-    if warnings:
-        lines += ["", "warnings:"]
-        lines += [f"  ! {w}" for w in warnings]
-
-    v = report.get("verdict", {})
-    lines += ["", f"verdict (known facts): {str(v.get('status', '?')).upper()}"]
-    lines += [f"  - {r}" for r in v.get("reasons", [])]
-
-    live = report.get("live_check", {})
-    lines += ["", "live check:"]
-    if live.get("ran"):
-        lines.append(f"  {live.get('case')}, poisoned block of {live.get('sentinel')}")
-        lines.append(
-            f"  {'':<11} {'max|dK| rows 0-3':>17} {'max|dV| rows 0-3':>17} "
-            f"{'max err live rows':>18}"
-        )
-        for name in ("unpatched", "patched"):
-            r = live.get(name, {})
-            lines.append(
-                f"  {name:<11} {_fmt(r.get('max_abs_dk_rows_0_3')):>17} "
-                f"{_fmt(r.get('max_abs_dv_rows_0_3')):>17} {_fmt(r.get('max_err_live_rows')):>18}"
-            )
-        lines.append(
-            "  bug observed without the fix: "
-            + ("YES" if live.get("bug_observed") else "no (not triggered this time)")
-        )
-        large = live.get("large_head_dim")
-        if large is not None:
-            lines.append(f"  {large.get('case')}:")
-            if large.get("error"):
-                lines.append(f"    failed: {large['error']}")
-            else:
-                lines.append(
-                    "    max err dQ/dK/dV "
-                    + " / ".join(_fmt(large.get(f"{g}_err")) for g in ("dq", "dk", "dv"))
-                    + " (bounds "
-                    + " / ".join(_fmt(large.get(f"{g}_bound")) for g in ("dq", "dk", "dv"))
-                    + "): "
-                    + ("exact" if large.get("exact") else "WRONG")
-                )
-        lines.append(
-            "  with the fix: "
-            + ("exact (rows 0-3 are 0, live rows match fp32)" if live.get("fix_ok") else "WRONG")
-        )
-    elif live.get("error"):
-        lines.append(f"  failed: {live['error']}")
-    else:
-        lines.append(f"  skipped: {live.get('skipped')}")
-
-    unchecked = report.get("unchecked") or []
-    if unchecked:
-        lines += ["", "could not check:"]
-        lines += [f"  - {u}" for u in unchecked]
-    lines += [
-        "",
-        f"status: {report.get('status')} (exit {report.get('exit_code')}): {report.get('advice')}",
-    ]
-    return "\n".join(lines)
-
-
 def run(as_json: bool = False, live: bool = True, head_dim: Optional[int] = None) -> int:
     """The ``doctor`` command: print the report, return the exit code."""
     report = collect(live=live, head_dim=head_dim)
     if as_json:
         sys.stdout.write(json.dumps(report, indent=2, sort_keys=False) + "\n")
     else:
-        sys.stdout.write(format_report(report) + "\n")
+        sys.stdout.write(doctor_text.format_report(report) + "\n")
     return int(report["exit_code"])
