@@ -265,8 +265,12 @@ class CudnnPreloadHook:
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname in self.TRIGGERS:
+            try:
+                preload_cudnn(self.setting)
+            except ImportError:
+                # strict: stay in place, so every later import of torch or TE fails too
+                raise
             _remove_cudnn_hooks()
-            preload_cudnn(self.setting)
         return None
 
 
@@ -289,7 +293,15 @@ def preload_cudnn(setting: str) -> None:
     try:
         use_fixed_cudnn(target, strict=strict)
     except Exception as exc:
-        raise ImportError(f"te_gqa_fix: {ENV_CUDNN}={setting}: {exc}") from exc
+        if strict:
+            raise ImportError(f"te_gqa_fix: {ENV_CUDNN}={setting}: {exc}") from exc
+        _log().warning(
+            "te_gqa_fix: %s=%s failed (%s: %s); Transformer Engine keeps the cuDNN it finds",
+            ENV_CUDNN,
+            setting,
+            type(exc).__name__,
+            exc,
+        )
 
 
 def activate() -> None:
@@ -300,19 +312,22 @@ def activate() -> None:
     be installed on a TE that is already imported, which a start-up file never sees).
     """
     cudnn_setting = os.environ.get(ENV_CUDNN, "").strip()
-    if cudnn_setting.lower() not in OFF_VALUES:
+    route = cudnn_setting.lower() not in OFF_VALUES
+    if route:
         _state["cudnn_route"] = True
-        if any(name in sys.modules for name in CudnnPreloadHook.TRIGGERS):
-            preload_cudnn(cudnn_setting)  # torch came first (another .pth?): try, and report
-        elif not any(getattr(f, _MARKER + "cudnn", False) for f in sys.meta_path):
+        if not any(getattr(f, _MARKER + "cudnn", False) for f in sys.meta_path):
             sys.meta_path.insert(0, CudnnPreloadHook(cudnn_setting))
     mode = autopatch_mode()
-    if mode == "off":
-        if _state["cudnn_route"]:
-            enable(patch=False)
-        return
-    _state["activated_by"] = f"{ENV_AUTOPATCH}={os.environ.get(ENV_AUTOPATCH, '')}"
-    enable(strict=mode == "strict")
+    if mode != "off":
+        _state["activated_by"] = f"{ENV_AUTOPATCH}={os.environ.get(ENV_AUTOPATCH, '')}"
+        enable(strict=mode == "strict")
+    elif route:
+        enable(patch=False)
+    if route and any(name in sys.modules for name in CudnnPreloadHook.TRIGGERS):
+        # torch came first (another start-up file?): try now; this reports the refusal
+        # (strict: raises, after the patch hook above is already in place).
+        preload_cudnn(cudnn_setting)
+        _remove_cudnn_hooks()
 
 
 def state() -> dict:

@@ -435,3 +435,70 @@ def test_guard_remedy_names_the_installed_fixed_build(
 def test_cudnn_fixed_decision(monkeypatch: pytest.MonkeyPatch, cudnn_v, fixed: bool) -> None:
     _facts(monkeypatch, (9, 0), cudnn_v)
     assert guard.cudnn_fixed(0) is fixed
+
+
+# ----------------------------------------------------------------------------- edge cases
+
+
+@needs_cc
+def test_strict_failure_stays_a_failure_on_every_import(
+    builds: Dict[str, Path], tmp_path: Path
+) -> None:
+    """A strict route that failed once must not let a retried import go on silently."""
+    env = _hook_env(builds, tmp_path, **{cudnn.ENV_CUDNN: "strict"})
+    env["PYTHONPATH_FIRST"] = os.pathsep.join(
+        [*te_package.pythonpath(tmp_path / "fake_te"), str(builds["old"])]
+    )
+    code = (
+        "import os, site\nsite.addsitedir(os.environ['SITE_DIR'])\n"
+        "for attempt in (1, 2):\n"
+        "    try:\n"
+        "        import transformer_engine.pytorch\n"
+        "    except ImportError as exc:\n"
+        "        print('RAISED', attempt, 'found no cuDNN >= 9.18' in str(exc))\n"
+        "    else:\n"
+        "        print('IMPORTED', attempt)\n"
+    )
+    proc = run_python(code, env, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "RAISED 1 True" in proc.stdout and "RAISED 2 True" in proc.stdout, proc.stdout
+
+
+@needs_cc
+def test_a_file_that_cannot_be_loaded_is_named(builds: Dict[str, Path], tmp_path: Path) -> None:
+    site = tmp_path / "site_bad"
+    lib = fb.wheel_build(site, (9, 19, 0))
+    (lib / "libcudnn_ops.so.9").write_text("not an ELF file")
+    code = (
+        "from te_gqa_fix.cudnn import use_fixed_cudnn\n"
+        "try:\n"
+        f"    use_fixed_cudnn('auto', search_path=[{str(site)!r}])\n"
+        "except OSError as exc:\n    print('RAISED', exc)\n"
+    )
+    proc = run_python(code, {}, tmp_path)
+    assert "RAISED" in proc.stdout, proc.stdout + proc.stderr
+    assert "libcudnn_ops.so.9" in proc.stdout and "would mix builds" in proc.stdout
+
+
+@needs_cc
+def test_a_folder_without_a_version_is_asked_once_loaded(
+    builds: Dict[str, Path], tmp_path: Path
+) -> None:
+    lib = builds["anon"] / "nvidia" / "cudnn" / "lib"  # 9.21.0, no header, no metadata
+    code = (
+        "from te_gqa_fix import cudnn\n"
+        f"b = cudnn.use_fixed_cudnn({str(lib)!r})\n"
+        "print('VERSION', b.version, b.how, cudnn.route_state()['chosen_version'])\n"
+    )
+    proc = run_python(code, {}, tmp_path)
+    assert "VERSION (9, 21, 0) cudnnGetVersion 9.21.0" in proc.stdout, proc.stdout + proc.stderr
+
+
+@needs_cc
+def test_file_name_version_follows_the_soname_link(tmp_path: Path) -> None:
+    lib = fb.system_build(tmp_path / "sys", (9, 14, 0))
+    (lib / "libcudnn.so.9.19.0").write_text("a stale copy left next to the live one")
+    (build,) = cudnn.find_system_builds(
+        {"CUDNN_HOME": str(tmp_path / "sys"), "LD_LIBRARY_PATH": ""}
+    )[:1]
+    assert build.version == (9, 14, 0)

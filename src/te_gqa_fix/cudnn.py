@@ -155,13 +155,20 @@ def _header_version(paths: Iterable[str]) -> Optional[Tuple[int, int, int]]:
 
 
 def _file_name_version(lib_dir: str) -> Optional[Tuple[int, ...]]:
+    """The version in the file name that ``libcudnn.so.9`` (the soname TE and torch load)
+    resolves to; without that link, the highest versioned ``libcudnn.so.*`` file."""
+    pattern = re.compile(r"libcudnn\.so\.(\d+(?:\.\d+)+)$")
+    soname = os.path.join(lib_dir, "libcudnn.so.9")
+    if os.path.exists(soname):
+        m = pattern.match(os.path.basename(os.path.realpath(soname)))
+        if m:
+            return tuple(int(x) for x in m.group(1).split("."))
     best: Optional[Tuple[int, ...]] = None
     for path in glob.glob(os.path.join(lib_dir, "libcudnn.so.*")):
-        for candidate in (path, os.path.realpath(path)):
-            m = re.match(r"libcudnn\.so\.(\d+(?:\.\d+)+)$", os.path.basename(candidate))
-            if m:
-                v = tuple(int(x) for x in m.group(1).split("."))
-                best = v if best is None or v > best else best
+        m = pattern.match(os.path.basename(os.path.realpath(path)))
+        if m:
+            v = tuple(int(x) for x in m.group(1).split("."))
+            best = v if best is None or v > best else best
     return best
 
 
@@ -538,8 +545,11 @@ def load_build(build: CudnnBuild) -> List[str]:
     """Load ``build`` into the global symbol scope (``RTLD_GLOBAL``); return the files loaded.
 
     Refuses with :class:`CudnnAlreadyLoaded` when another cuDNN is already mapped into the
-    process (by then the first copy already owns the symbols). Loading the same build again
-    is a no-op. Raises ``FileNotFoundError`` when the folder holds no ``libcudnn.so.9``.
+    process (by then the first copy already owns the symbols). Files of this build that are
+    already mapped are loaded again with ``RTLD_GLOBAL`` (harmless, and it promotes a
+    privately mapped copy into the global scope). Raises ``FileNotFoundError`` when the
+    folder holds no ``libcudnn.so.9``, and ``OSError`` naming the file when one cannot be
+    loaded (the files before it stay loaded: the process should not go on to import TE).
     """
     mapped = mapped_cudnn_libraries(resolve=False) or []
     want = os.path.realpath(build.lib_dir)
@@ -555,10 +565,15 @@ def load_build(build: CudnnBuild) -> List[str]:
     files = build.libraries()
     if not any(os.path.basename(f).startswith("libcudnn.so") for f in files):
         raise FileNotFoundError(f"te_gqa_fix: no libcudnn.so.9 in {build.lib_dir}")
-    if mapped:  # only this build's own files: already done
-        return [m.path for m in mapped]
-    for path in files:
-        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    for i, path in enumerate(files):
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        except OSError as exc:
+            raise OSError(
+                f"te_gqa_fix: could not load {path} ({exc}); {i} of {len(files)} files of "
+                f"cuDNN {build.version_str} are loaded, so this process would mix builds: "
+                "fix or remove that folder, or unset the setting"
+            ) from exc
     return files
 
 
@@ -624,6 +639,11 @@ def use_fixed_cudnn(
                 build.lib_dir,
             )
         _route.loaded = load_build(build)
+        if build.version is None:  # a folder that names no version: ask the loaded library
+            found = _ctypes_version(os.path.join(build.lib_dir, "libcudnn.so.9"))
+            if found:
+                build = CudnnBuild(build.lib_dir, _vtuple(found), build.origin, "cudnnGetVersion")
+                _route.chosen = build
         _route.error = None
     except (LookupError, OSError, CudnnAlreadyLoaded) as exc:
         _route.error = str(exc)
@@ -669,9 +689,11 @@ def verify_te_cudnn(strict: Optional[bool] = None) -> Optional[bool]:
     Returns True/False, or None when the route chose nothing. A mismatch (or a version TE
     does not report) is logged once at WARNING; with ``strict`` it raises ImportError.
     """
-    if _route.chosen is None:
-        return None
     strict = _route.strict if strict is None else strict
+    if _route.chosen is None or not _route.loaded:
+        if strict and _route.error:  # the strict route failed earlier: never go on silently
+            raise ImportError(f"te_gqa_fix: {ENV_CUDNN} (strict) failed: {_route.error}")
+        return None
     te = te_cudnn_version()
     _route.te_cudnn = _vstr(te)
     want = _route.chosen.version

@@ -14,6 +14,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from .offset_errors import OffsetsError
+
 __all__ = ["check_metadata", "check_rows_disjoint", "check_values", "shape_of"]
 
 
@@ -169,10 +171,10 @@ def check_rows_disjoint(name: str, t: object) -> None:
 def _check_monotonic(name: str, t: torch.Tensor) -> list[int]:
     values = [int(x) for x in t.tolist()]
     if values and values[0] < 0:
-        raise ValueError(f"{name}: expected offsets >= 0, got {values[0]} first")
+        raise OffsetsError(f"{name}: expected offsets >= 0, got {values[0]} first")
     for i in range(1, len(values)):
         if values[i] < values[i - 1]:
-            raise ValueError(
+            raise OffsetsError(
                 f"{name}: expected non-decreasing offsets, got {values[i - 1]} then "
                 f"{values[i]} at index {i}"
             )
@@ -187,7 +189,11 @@ def check_values(
     cu_seqlens_q_padded: Optional[torch.Tensor],
     cu_seqlens_kv_padded: Optional[torch.Tensor],
 ) -> None:
-    """Deep checks that read the offsets (host sync): monotonic, lengths fit, in bounds."""
+    """Deep checks that read the offsets (host sync): monotonic, lengths fit, in bounds.
+
+    Raises :class:`~te_gqa_fix.offset_errors.OffsetsError` (a ``ValueError``), the same
+    error the sync-free check raises later, so one ``except`` catches both.
+    """
     for side, rows, cu, pad, cu_name, pad_name in (
         ("q", rows_q, cu_seqlens_q, cu_seqlens_q_padded, "cu_seqlens_q", "cu_seqlens_q_padded"),
         (
@@ -206,11 +212,11 @@ def check_values(
             length = valid[b + 1] - valid[b]
             room = padded[b + 1] - padded[b]
             if length > room:
-                raise ValueError(
+                raise OffsetsError(
                     f"{cu_name}: sequence {b} has {length} tokens but {where} gives it "
                     f"only {room} rows"
                 )
         if rows is not None and padded and padded[-1] > rows:
-            raise ValueError(
+            raise OffsetsError(
                 f"{where}: last offset {padded[-1]} is past the {rows} {side} rows of the buffer"
             )
