@@ -23,6 +23,7 @@ from fakes.oracle import assert_rows, bits, expected_keep, make_ragged
 from fakes.te_outputs import (
     FakeQuantizer,
     FakeTE,
+    assert_post_pass,
     call_arguments,
     parameter_names,
     split_call,
@@ -76,19 +77,8 @@ def _check_fixed(
 ) -> None:
     assert out is fake.backend.returned, "the wrapper must return TE's own object"
     assert type(out) is list and len(out) == 4
-    keep_q, keep_kv = expected_keep(RAGGED, mask, window, brd)
     outputs = fake.backend.outputs
-    if "dkv" in outputs:
-        after, before = outputs["dkv"]
-        assert_rows(after, before, keep_kv, "dkv buffer")
-    for name in ("dk", "dv"):
-        after, before = outputs[name]
-        assert_rows(after, before, keep_kv, name)
-    after, before = outputs["dq"]
-    if fix_q:
-        assert_rows(after, before, keep_q, "dq")
-    else:
-        assert torch.equal(bits(after), bits(before))
+    assert_post_pass(outputs, RAGGED, mask, window, brd, fix_q)
     after, before = outputs["extra"]
     assert torch.equal(bits(after), bits(before)), "extra outputs must be untouched"
 

@@ -15,8 +15,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import pytest
 import torch
 
-from fakes.oracle import assert_rows, bits, expected_keep, make_ragged
-from fakes.te_outputs import FakeTE, call_arguments
+from fakes.oracle import bits, make_ragged
+from fakes.te_outputs import FakeTE, assert_post_pass, call_arguments
 from te_gqa_fix import guard, postpass, triton_postpass
 from te_gqa_fix import wrapper as wrapper_module
 from te_gqa_fix._logging import _reset_log_once
@@ -62,16 +62,7 @@ def _count_checks(monkeypatch: pytest.MonkeyPatch) -> List[Tuple[str, ...]]:
 
 
 def _check(fake: FakeTE, out: Any, ragged: Any, mask: str, window: Any, brd: Any) -> None:
-    keep_q, keep_kv = expected_keep(ragged, mask, window, brd)
-    outputs = fake.backend.outputs
-    if "dkv" in outputs:
-        after, before = outputs["dkv"]
-        assert_rows(after, before, keep_kv, "dkv buffer")
-    for name in ("dk", "dv"):
-        after, before = outputs[name]
-        assert_rows(after, before, keep_kv, name)
-    after, before = outputs["dq"]
-    assert_rows(after, before, keep_q, "dq")
+    assert_post_pass(fake.backend.outputs, ragged, mask, window, brd)
 
 
 # --------------------------------------------------------------------- validation

@@ -744,7 +744,6 @@ class Launches:
         span: KeySpan,
     ) -> bool:
         """Zero the dead rows with the kernel; False (nothing done) when it cannot."""
-        global _broken
         if _broken:
             return False
         q_t = dk if dq is None else dq
@@ -795,13 +794,7 @@ class Launches:
         try:
             _run(plan, (q_t, dk, dv, cu_q, cu_kv, pad_q, pad_kv))
         except Exception as exc:  # compile or launch failure: never leave rows unzeroed
-            _broken = True
-            log_once(
-                ("triton-failed",),
-                logging.WARNING,
-                "te_gqa_fix: Triton post-pass failed (%r); using the PyTorch post-pass from now on",
-                exc,
-            )
+            _give_up(exc)
             return False
         return True
 
@@ -826,7 +819,6 @@ def zero_dead_rows_triton(
     is missing or the arguments are outside what the kernel handles; the caller then
     runs the PyTorch implementation. No host sync.
     """
-    global _broken
     if not available():
         return False
     offsets = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
@@ -844,12 +836,18 @@ def zero_dead_rows_triton(
             dq, dk, dv, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, span
         )
     except Exception as exc:  # compile or launch failure: never leave rows unzeroed
-        _broken = True
-        log_once(
-            ("triton-failed",),
-            logging.WARNING,
-            "te_gqa_fix: Triton post-pass failed (%r); using the PyTorch post-pass from now on",
-            exc,
-        )
+        _give_up(exc)
         return False
     return True
+
+
+def _give_up(exc: BaseException) -> None:
+    """A launch failed: the PyTorch post-pass serves every later call (logged once)."""
+    global _broken
+    _broken = True
+    log_once(
+        ("triton-failed",),
+        logging.WARNING,
+        "te_gqa_fix: Triton post-pass failed (%r); using the PyTorch post-pass from now on",
+        exc,
+    )

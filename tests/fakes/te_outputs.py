@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .oracle import Ragged
+from .oracle import Ragged, assert_rows, bits, expected_keep
 from .te_signatures import build_fake
 
 FAKE_BACKEND = "F16_arbitrary_seqlen (fake)"
@@ -241,3 +241,28 @@ def split_call(
     """The first ``n_positional`` parameters positionally, the rest by keyword."""
     n = min(n_positional, len(names))
     return [arguments[x] for x in names[:n]], {x: arguments[x] for x in names[n:]}
+
+
+def assert_post_pass(
+    outputs: Dict[str, Tuple[torch.Tensor, torch.Tensor]],
+    ragged: Ragged,
+    mask: object,
+    window: object,
+    brd: object,
+    fix_q: bool = True,
+) -> None:
+    """The wrapper's effect on a :class:`FakeBackend`'s outputs (``name -> (after, before)``):
+    dK/dV (and a packed dKV buffer) zeroed exactly where the oracle says, dQ too when
+    ``fix_q``, else untouched bit for bit."""
+    keep_q, keep_kv = expected_keep(ragged, mask, window, brd)
+    if "dkv" in outputs:
+        after, before = outputs["dkv"]
+        assert_rows(after, before, keep_kv, "dkv buffer")
+    for name in ("dk", "dv"):
+        after, before = outputs[name]
+        assert_rows(after, before, keep_kv, name)
+    after, before = outputs["dq"]
+    if fix_q:
+        assert_rows(after, before, keep_q, "dq")
+    else:
+        assert torch.equal(bits(after), bits(before)), "dq must be untouched"
