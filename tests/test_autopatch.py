@@ -260,15 +260,23 @@ def test_strict_with_te_already_imported_raises_from_enable(tmp_path: Path) -> N
 
 def test_pth_line_matches_the_off_values_of_the_hook() -> None:
     """The .pth line decides alone whether to import anything: it must agree with
-    :func:`autopatch_mode` on which values mean off."""
+    :func:`autopatch_mode` (TE_GQA_FIX_AUTOPATCH) and :func:`te_gqa_fix.cudnn.parse_setting`
+    (TE_GQA_FIX_CUDNN) on which values mean off, and read exactly those two variables."""
+    import re
+
+    from te_gqa_fix.cudnn import parse_setting
+
     lines = [ln for ln in PTH.read_text().splitlines() if ln and not ln.startswith("#")]
     assert len(lines) == 1 and lines[0].startswith("import os;")
-    start = lines[0].index("in (") + len("in ")
-    stop = lines[0].index(")", start) + 1
-    pth_off = eval(lines[0][start:stop])  # the literal tuple in the line
-    assert tuple(pth_off) == boot.OFF_VALUES
-    for value in pth_off:
-        assert boot.autopatch_mode(value) == "off"
+    assert re.findall(r'environ\.get\("(\w+)"', lines[0]) == [boot.ENV_AUTOPATCH, boot.ENV_CUDNN]
+    tuples = re.findall(r"in (\([^)]*\))", lines[0])
+    assert len(tuples) == 2
+    for literal in tuples:
+        pth_off = eval(literal)  # the literal tuple in the line
+        assert tuple(pth_off) == boot.OFF_VALUES
+        for value in pth_off:
+            assert boot.autopatch_mode(value) == "off"
+            assert parse_setting(value) == (None, False)
     assert boot.autopatch_mode("1") == "on"
     assert boot.autopatch_mode(" Strict ") == "strict"
 
