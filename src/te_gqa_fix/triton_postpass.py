@@ -757,14 +757,7 @@ class Launches:
             # Once per output shape: the checks zero_dead_rows makes on its arguments
             # (dK and dV of equal rows above all: the kernel sizes both from dK).
             check_metadata(dq, dk, dv, *offsets)
-            why = _why_unsupported(dq, dk, dv, offsets, require_cuda=True)
-            if why is not None:
-                log_once(
-                    ("triton-unsupported", why),
-                    logging.DEBUG,
-                    "te_gqa_fix: Triton post-pass does not handle %s; using the PyTorch post-pass",
-                    why,
-                )
+            if not _handles(dq, dk, dv, offsets):
                 plan = False
             else:
                 dtypes = tuple(t.dtype for t in _tensors(q_t, dk, dv, *offsets)[3:])
@@ -822,14 +815,7 @@ def zero_dead_rows_triton(
     if not available():
         return False
     offsets = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
-    why = _why_unsupported(dq, dk, dv, offsets, require_cuda=True)
-    if why is not None:
-        log_once(
-            ("triton-unsupported", why),
-            logging.DEBUG,
-            "te_gqa_fix: Triton post-pass does not handle %s; using the PyTorch post-pass",
-            why,
-        )
+    if not _handles(dq, dk, dv, offsets):
         return False
     try:
         _launch(
@@ -839,6 +825,21 @@ def zero_dead_rows_triton(
         _give_up(exc)
         return False
     return True
+
+
+def _handles(
+    dq: Optional[torch.Tensor], dk: torch.Tensor, dv: torch.Tensor, offsets: tuple
+) -> bool:
+    """Whether the kernel handles these CUDA arguments; why not is logged once (DEBUG)."""
+    why = _why_unsupported(dq, dk, dv, offsets, require_cuda=True)
+    if why is not None:
+        log_once(
+            ("triton-unsupported", why),
+            logging.DEBUG,
+            "te_gqa_fix: Triton post-pass does not handle %s; using the PyTorch post-pass",
+            why,
+        )
+    return why is None
 
 
 def _give_up(exc: BaseException) -> None:
