@@ -37,7 +37,6 @@ __all__ = [
     "wrapper_for",
 ]
 
-_MISSING = object()
 
 _counts: Counter = Counter()
 
@@ -114,10 +113,6 @@ class _Args:
         if i is not None and i < len(args):
             return args[i]
         return self.defaults.get(name, default)
-
-    def given(self, args: Sequence, kwargs: Mapping[str, Any], name: str) -> bool:
-        i = self.positions.get(name)
-        return name in kwargs or (i is not None and i < len(args))
 
     def _expr(self, name: str, fallback: str) -> str:
         """Source of one argument's value: keyword, else position, else default."""
@@ -275,10 +270,6 @@ def _decide(
         if triton_postpass.available():
             launches = triton_postpass.Launches()
     return _Decision(True, fix_q, span, guard, launches)
-
-
-def _hashable(x: object) -> object:
-    return tuple(x) if isinstance(x, list) else x
 
 
 def _prepare(
