@@ -348,9 +348,14 @@ def test_direct_launch_after_first_normal_launch(monkeypatch: pytest.MonkeyPatch
     assert launch[:4] == (grid[0], grid[1], 1, 1234)
     assert launch[4:9] == ("fn-handle", ("packed",), None, None, None)
     # Every kernel parameter in order: what Triton's own run() hands the launcher.
+    # The eight pointers go to the launcher as integers (no data_ptr() call and no
+    # driver query per pointer there), the rest exactly as Triton's own run() binds them.
     bound = dict(zip(kernel.arg_names, (*args, *[meta[n] for n in kernel.arg_names[len(args) :]])))
-    assert launch[9:] == tuple(bound[n] for n in kernel.arg_names)
-    assert all(a is b for a, b in zip(launch[9:16], tensors))
+    expected = tuple(bound[n] for n in kernel.arg_names)
+    assert launch[9:17] == tuple(t.data_ptr() for t in expected[:8])
+    assert all(type(p) is int for p in launch[9:17])
+    assert [t.data_ptr() for t in tensors] == list(launch[9:16])
+    assert launch[17:] == expected[8:]
 
 
 def test_direct_launch_keys_on_pointer_alignment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -43,6 +43,7 @@ __all__ = [
     "describe",
     "kernel_flag",
     "kernel_meta",
+    "pending_words",
     "raise_pending",
     "record_device_bits",
 ]
@@ -108,6 +109,13 @@ def kernel_flag(device: torch.device) -> torch.Tensor:
     for any Triton kernel requires anyway); the same memory afterwards.
     """
     return _record(device).host
+
+
+def pending_words(device: torch.device) -> Any:
+    """The two host words of ``device``'s record (a ctypes array): non-zero means an
+    earlier call recorded bad offsets. Callers that hold it (a launch plan) test it with
+    one read per call and then let :func:`raise_pending` raise and clear."""
+    return _record(device).words
 
 
 _META: Dict[Tuple[int, bool, bool, bool], Dict[str, Any]] = {}

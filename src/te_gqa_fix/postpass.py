@@ -352,12 +352,14 @@ def zero_dead_rows_prechecked(
     None for the PyTorch route) keys the kernel launch on the outputs' metadata. Whenever
     the kernel declines, the PyTorch post-pass runs: rows are never left unzeroed.
     """
-    # Bad offsets recorded by an earlier call on this device (host read, no sync).
-    offset_errors.raise_pending(dk.device)
     if deep_validation_enabled():
+        offset_errors.raise_pending(dk.device)
         _deep_check(dq, dk, offsets)
+    # The kernel's launch first raises what an earlier call on this device recorded
+    # (its plan holds the device's host words: one read, no sync).
     if launches is not None and launches.launch(dq, dk, dv, offsets, span):  # type: ignore[attr-defined]
         return
+    offset_errors.raise_pending(dk.device)
     _zero_with_torch(dq, dk, dv, offsets, span)
 
 

@@ -448,7 +448,9 @@ class _LaunchPlan:
     parameter order: what Triton's own launcher is handed.
     """
 
-    __slots__ = ("compiled", "device_index", "err", "grid", "meta", "scalars", "tail")
+    __slots__ = (
+        "compiled", "device_index", "err", "err_ptr", "grid", "meta", "scalars", "tail", "words",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -457,6 +459,7 @@ class _LaunchPlan:
         meta: Dict[str, Any],
         device_index: int,
         err: torch.Tensor,
+        words: Any,
     ) -> None:
         self.grid = grid
         self.scalars = scalars
@@ -467,6 +470,9 @@ class _LaunchPlan:
         #: The device's pinned error word (te_gqa_fix.offset_errors), the kernel's 8th
         #: pointer: the same memory for every call on that device.
         self.err = err
+        self.err_ptr = err.data_ptr()
+        #: Both host words of that record (kernel's and PyTorch path's), read per call.
+        self.words = words
 
 
 #: Launch plans by tensor metadata (shapes, strides, batch size, mask): the host work
@@ -565,7 +571,8 @@ def _make_launch_plan(
     if cuda and index < 0:
         index = torch.cuda.current_device()
     err = offset_errors.kernel_flag(dk.device)
-    return _LaunchPlan((nblk_kv + nblk_q, n_split), scalars, meta, index, err)
+    words = offset_errors.pending_words(dk.device)
+    return _LaunchPlan((nblk_kv + nblk_q, n_split), scalars, meta, index, err, words)
 
 
 # ----------------------------------------------------------------- the fast launch
@@ -636,39 +643,49 @@ def _capture(plan: _LaunchPlan, align: object, ret: Any, kernel: Any, n_tensors:
 
 def _run(plan: _LaunchPlan, tensors: tuple) -> None:
     """Launch the kernel for ``plan`` on ``tensors`` (dq-or-stand-in, dk, dv, 4 offsets);
-    the plan's error word is the eighth pointer."""
+    the plan's error word is the eighth pointer.
+
+    The direct launch hands Triton's launcher the pointers as integers: the launcher
+    takes an int as the device address as it is, where for a tensor it calls
+    ``data_ptr()`` and asks the driver (``cuPointerGetAttribute``) about every pointer,
+    a driver call per argument per launch. The pointers were read here anyway (the
+    alignment key), and every tensor is on the plan's CUDA device (the plan's key).
+    """
     global _fast_ok
     g0, g1 = plan.grid
     if g0 == 0:
         return
-    tensors = (*tensors, plan.err)
     index = plan.device_index
     align: object = ()
     if index >= 0:
-        q_t, dk, dv, cu_q, cu_kv, pad_q, pad_kv, err = tensors
-        ptr_or = (
-            q_t.data_ptr() | dk.data_ptr() | dv.data_ptr() | cu_q.data_ptr()
-            | cu_kv.data_ptr() | pad_q.data_ptr() | pad_kv.data_ptr() | err.data_ptr()
+        q_t, dk, dv, cu_q, cu_kv, pad_q, pad_kv = tensors
+        ptrs = (
+            q_t.data_ptr(), dk.data_ptr(), dv.data_ptr(), cu_q.data_ptr(), cu_kv.data_ptr(),
+            pad_q.data_ptr(), pad_kv.data_ptr(), plan.err_ptr,
         )  # fmt: skip
+        p0, p1, p2, p3, p4, p5, p6, p7 = ptrs
         # All 16-byte aligned (the usual case) is one key; otherwise one flag per pointer.
-        align = 0 if ptr_or & 15 == 0 else tuple(t.data_ptr() & 15 == 0 for t in tensors)
+        if (p0 | p1 | p2 | p3 | p4 | p5 | p6 | p7) & 15 == 0:
+            align = 0
+        else:
+            align = tuple(p & 15 == 0 for p in ptrs)
         entry = plan.compiled.get(align)
-        if entry is not None and _fast_ok and _hooks_clear():
-            if _current_device() == index:
-                try:
-                    run, function, packed = entry
-                    run(g0, g1, 1, _raw_stream(index), function, packed, None, None, None,
-                        *tensors, *plan.tail)  # fmt: skip
-                    return
-                except Exception as exc:  # never leave rows unzeroed: Triton's path below
-                    _fast_ok = False
-                    log_once(
-                        ("triton-fast-failed",),
-                        logging.WARNING,
-                        "te_gqa_fix: direct Triton launch failed (%r); using Triton's "
-                        "launch path from now on",
-                        exc,
-                    )
+        if entry is not None and _fast_ok and _hooks_clear() and _current_device() == index:
+            try:
+                run, function, packed = entry
+                run(g0, g1, 1, _raw_stream(index), function, packed, None, None, None,
+                    *ptrs, *plan.tail)  # fmt: skip
+                return
+            except Exception as exc:  # never leave rows unzeroed: Triton's path below
+                _fast_ok = False
+                log_once(
+                    ("triton-fast-failed",),
+                    logging.WARNING,
+                    "te_gqa_fix: direct Triton launch failed (%r); using Triton's "
+                    "launch path from now on",
+                    exc,
+                )
+    tensors = (*tensors, plan.err)
     kernel = _build()
     if index >= 0 and _current_device() != index:
         with torch.cuda.device(index):  # Triton launches on the current device's stream
@@ -727,7 +744,8 @@ class Launches:
 
     The wrapper has already checked the offsets (type, dtype, rank, length, device) for
     this call shape; what changes between calls with the same inputs are the outputs,
-    new tensors each call, so their type, shape, strides, dtype and device form the key.
+    new tensors each call, so their shape, strides, dtype and device index form the key
+    (anything but a plain tensor goes to the PyTorch post-pass before a key is built).
     """
 
     __slots__ = ("plans",)
@@ -747,10 +765,13 @@ class Launches:
         if _broken:
             return False
         q_t = dk if dq is None else dq
+        if not (type(q_t) in _PLAIN and type(dk) in _PLAIN and type(dv) in _PLAIN):
+            _handles(dq, dk, dv, offsets)  # says why not, once
+            return False
         key = (
-            dq is None, type(q_t), q_t.shape, q_t.stride(), q_t.dtype, q_t.device,
-            type(dk), dk.shape, dk.stride(), dk.dtype, dk.device,
-            type(dv), dv.shape, dv.stride(), dv.dtype, dv.device,
+            dq is None, q_t.shape, q_t.stride(), q_t.dtype, q_t.get_device(),
+            dk.shape, dk.stride(), dk.dtype, dk.get_device(),
+            dv.shape, dv.stride(), dv.dtype, dv.get_device(),
         )  # fmt: skip
         plan = self.plans.get(key)
         if plan is None:
@@ -769,6 +790,9 @@ class Launches:
             self.plans[key] = plan
         if plan is False:
             return False
+        words = plan.words
+        if words[0] | words[1]:  # bad offsets recorded by an earlier call on this device
+            offset_errors.raise_pending(dk.device)
         cu_q, cu_kv, pad_q, pad_kv = offsets
         if not cu_q.is_contiguous():
             cu_q = cu_q.contiguous()

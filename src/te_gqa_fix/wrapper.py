@@ -219,7 +219,8 @@ def _guard_dims(
 def _device_index(q: object) -> Optional[int]:
     """The CUDA device index of ``q``, or None (CPU, unknown). No torch.device for tensors."""
     if type(q) is _Tensor:
-        return q.get_device() if q.is_cuda else None  # type: ignore[union-attr]
+        index = q.get_device()  # type: ignore[union-attr]  # -1 off CUDA, one C call
+        return index if index >= 0 else None
     device = getattr(q, "device", None)
     return device.index if device is not None and getattr(device, "type", None) == "cuda" else None
 
@@ -278,10 +279,12 @@ def _prepare(
     """``(plan, offsets)`` when this call needs the post-pass, else None (counted).
 
     The hot path: the policy, the fixed-cuDNN pass-through, then one tuple of the call's
-    metadata (layout, mask, window, shapes and devices of q/k/v, dtype/shape/device of
-    each offsets tensor) looked up in ``cache``. Everything ``check_metadata`` reads is in
-    that tuple, so a hit means this exact metadata was checked before; the offsets are
-    new tensors each call, and their metadata is compared on every call.
+    metadata (layout, mask, window, shapes and device indices of q/k/v, dtype/shape/device
+    index of each offsets tensor) looked up in ``cache``. Everything ``check_metadata``
+    reads is in that tuple, so a hit means this exact metadata was checked before; the
+    offsets are new tensors each call, and their metadata is compared on every call.
+    Device indices (``get_device``, an int) rather than ``torch.device`` objects: every
+    tensor TE accepts is on CUDA, and an index is one C call with no object to build.
     """
     policy = get_policy()
     if policy == "off":
@@ -299,19 +302,29 @@ def _prepare(
     offsets = (cu_q, cu_kv, pad_q, pad_kv)
     T = _Tensor
     key: Optional[tuple] = None
-    if type(q) is T and type(k) is T and type(v) is T:
-        key = (
-            policy, layout_name, layout, mask, tuple(window) if type(window) is list else window,
-            brd, q.shape, q.device, k.shape, k.device, v.shape, v.device,
-        )  # fmt: skip
-        for o in offsets:
-            if o is None:
-                key += (None,)
-            elif type(o) is T:
-                key += (o.dtype, o.shape, o.device)
-            else:
-                key = None
-                break
+    if type(q) is T and type(k) is T and type(v) is T and type(cu_q) is T and type(cu_kv) is T:
+        if pad_q is None:
+            meta_pq: object = None
+        elif type(pad_q) is T:
+            meta_pq = (pad_q.dtype, pad_q.shape, pad_q.get_device())
+        else:
+            meta_pq = T
+        if pad_kv is None:
+            meta_pk: object = None
+        elif pad_kv is pad_q:  # TE's context-parallel paths pass one tensor for both
+            meta_pk = True
+        elif type(pad_kv) is T:
+            meta_pk = (pad_kv.dtype, pad_kv.shape, pad_kv.get_device())
+        else:
+            meta_pk = T
+        if meta_pq is not T and meta_pk is not T:
+            key = (
+                policy, layout_name, layout, mask,
+                tuple(window) if type(window) is list else window, brd,
+                q.shape, device_index, k.shape, k.get_device(), v.shape, v.get_device(),
+                cu_q.dtype, cu_q.shape, cu_q.get_device(),
+                cu_kv.dtype, cu_kv.shape, cu_kv.get_device(), meta_pq, meta_pk,
+            )  # fmt: skip
     plan = None
     if key is not None:
         try:
