@@ -1177,13 +1177,46 @@ def selftest(args: argparse.Namespace) -> int:
         "errors": {},
     }  # fmt: skip
     res["timings"]["postpass_triton"] = {"median_us": 9.0}
+    # The paired overheads miss the goals, the direct ones meet them: the direct decide.
     res["timings"]["te_host"] = {"median_us": 150.0}
-    res["timings"]["wrapper_host"] = {"median_us": 160.0, "overhead_us": 10.0}
-    res["timings"]["passthrough_host"] = {"median_us": 152.0, "overhead_us": 2.0}
+    res["timings"]["wrapper_host"] = {"median_us": 170.0, "overhead_us": 20.0}
+    res["timings"]["passthrough_host"] = {"median_us": 157.0, "overhead_us": 7.0}
+    res["timings"]["stub_host"] = {"median_us": 0.5}
+    res["timings"]["wrapper_stub_host"] = {"median_us": 12.5, "overhead_us": 12.0}
+    res["timings"]["passthrough_stub_host"] = {"median_us": 3.5, "overhead_us": 3.0}
+    res["checks"]["direct_modes"] = {
+        "wrapper_stub_host": {"calls": 1, "fixed": 1, "skipped": 0, "passthrough": 0,
+                              "returned_stub_output": True},
+        "passthrough_stub_host": {"calls": 1, "fixed": 0, "skipped": 1, "passthrough": 0,
+                                  "returned_stub_output": True},
+    }  # fmt: skip
     bw = {"copy_traffic_GBps": 4000.0, "fill_GBps": 3000.0}
     res["summary"] = summarize(res, bw)
     s = res["summary"]
     assert s["host_goal_met"] and s["passthrough_goal_met"] and s["device_goal_met"], s
+    assert (s["host_goal_basis"], s["host_overhead_us"], s["host_overhead_paired_us"]) == (
+        "direct", 12.0, 20.0), s  # fmt: skip
+    assert (s["passthrough_goal_basis"], s["passthrough_overhead_us"]) == ("direct", 3.0), s
+    # An older bench.json (no direct timings) is decided on the paired ones.
+    old = dict(res, timings={k: v for k, v in res["timings"].items() if "stub" not in k})
+    s_old = summarize(old, bw)
+    assert s_old["host_goal_basis"] == s_old["passthrough_goal_basis"] == "paired", s_old
+    assert not s_old["host_goal_met"] and not s_old["passthrough_goal_met"], s_old
+    assert "host_overhead_direct_us" not in s_old, s_old
+    # A direct timing whose mode did not do its job (no post-pass ran) does not count.
+    bad_modes = dict(res["checks"]["direct_modes"])
+    bad_modes["wrapper_stub_host"] = dict(bad_modes["wrapper_stub_host"], fixed=0, skipped=1)
+    bad = dict(res, checks=dict(res["checks"], direct_modes=bad_modes))
+    s_bad = summarize(bad, bw)
+    assert s_bad["host_goal_basis"] == "paired" and not s_bad["host_goal_met"], s_bad
+    assert s_bad["passthrough_goal_basis"] == "direct", s_bad
+    row = bench_report.host_table([{"workloads": [res]}])[2]
+    assert "| 20.0 us | 12.0 us | yes | 157.0 us | 7.0 us | 3.0 us | yes |" in row, row
+    row = bench_report.host_table([{"workloads": [old]}])[2]
+    assert "| 20.0 us | - | NO (paired) | 157.0 us | 7.0 us | - | NO (paired) |" in row, row
+    assert "itself adds 12 us" in bench_report.headline([{"workloads": [res]}])
+    assert "adds 20 us of host time per call to TE's" in bench_report.headline(
+        [{"workloads": [old]}])  # fmt: skip
     big = dict(res, workload=dict(res["workload"], rows=32768))
     big["timings"] = dict(res["timings"], postpass_triton={"median_us": 4.0})
     assert not summarize(big, bw)["device_goal_met"]  # 1.6x the 2.5 us bound
@@ -1193,7 +1226,11 @@ def selftest(args: argparse.Namespace) -> int:
         {"date": "-", "command": "-", "stack": {"cudnn_te": "9.19.0"}, "bandwidth": bw,
          "workloads": [res], "cudnn_fixed": True},
     ]  # fmt: skip
-    print(bench_report.results_block(reports))
+    block = bench_report.results_block(reports)
+    assert "wrapper host overhead (direct, around a stub) <= 15 us: **yes**" in block, block
+    mixed = bench_report.results_block([reports[0], dict(reports[1], workloads=[old])])
+    assert "(direct where measured, else paired vs TE's call) <= 15 us: **NO**" in mixed, mixed
+    print(block)
     print(bench_report.headline(reports))
     return 0
 
