@@ -21,6 +21,10 @@ Timing: CUDA events, warm-up first, median of many calls.
   over ``cu_seqlens.tolist()``): the GPU is idle before each call and the events read
   everything, host stalls included. These are compared with the wrapper in the same
   mode.
+* ``host`` mode (no sync inside a timed call, calls interleaved, paired medians): TE's
+  call against the wrapper (post-pass and pass-through forced), and, directly, a stub
+  with TE's signature returning real gradients against the wrapper of that stub, which
+  isolates what the wrapper adds from TE's call-to-call variation (``make_stub``).
 
 Physical bound: the bytes the post-pass must write (dead dK/dV rows x heads x dim x
 element size, plus dead dQ rows) divided by the device-to-device copy bandwidth measured
@@ -243,6 +247,9 @@ def time_host_group(
     setups: Dict[str, Callable[[], None]],
     rounds: int,
     chunk: int = 4,
+    warmup: int = 1,
+    sync: Callable[[], None] = torch.cuda.synchronize,
+    clock: Callable[[], int] = time.perf_counter_ns,
 ) -> Dict[str, Dict[str, Any]]:
     """Host time of one call of each function (no sync inside), interleaved round by round.
 
@@ -252,14 +259,17 @@ def time_host_group(
     untimed before each call (it flips the cached cuDNN decision for the pass-through).
     The GPU runs behind the host; a sync every ``chunk`` rounds keeps its queue short so a
     full launch queue never blocks (and inflates) a timed call. GC is off while timing.
+    ``warmup`` untimed rounds come first. ``sync`` and ``clock`` (nanoseconds) are
+    parameters so that the selftest can run this on CPU with a fake clock.
     """
     import gc
 
     names = list(fns)
-    for n in names:
-        setups[n]()
-        fns[n]()
-    torch.cuda.synchronize()
+    for _ in range(warmup):
+        for n in names:
+            setups[n]()
+            fns[n]()
+    sync()
     samples: Dict[str, List[float]] = {n: [] for n in names}
     gc_was = gc.isenabled()
     gc.disable()
@@ -267,15 +277,15 @@ def time_host_group(
         for r in range(rounds):
             for n in _rotated(names, r):
                 setups[n]()
-                t0 = time.perf_counter_ns()
+                t0 = clock()
                 fns[n]()
-                samples[n].append((time.perf_counter_ns() - t0) / 1e3)
+                samples[n].append((clock() - t0) / 1e3)
             if (r + 1) % chunk == 0:
-                torch.cuda.synchronize()
+                sync()
     finally:
         if gc_was:
             gc.enable()
-    torch.cuda.synchronize()
+    sync()
     ref = samples[names[0]]
     out: Dict[str, Dict[str, Any]] = {}
     for n in names:
@@ -290,6 +300,79 @@ def time_host_group(
         if n != names[0]:
             out[n]["overhead_us"] = statistics.median(a - b for a, b in zip(samples[n], ref))
     return out
+
+
+def make_stub(te_fn: Callable, out: Any) -> Callable:
+    """A stand-in for TE's ``fused_attn_bwd`` that returns ``out`` (the same object) at once.
+
+    For the direct host measurement: ``wrapper_for(stub)`` minus ``stub`` is what the
+    wrapper itself adds (its Python and, in post-pass mode, its kernel launch on the real
+    gradients in ``out``), without TE's call and its +-5 us of call-to-call variation.
+
+    The stub carries TE's signature as ``__signature__``, which ``inspect.signature`` (and
+    so the wrapper's argument binder) reads, but neither ``__wrapped__`` nor our wrapper
+    marker: ``functools.wraps(te_fn)`` would copy both when ``te_fn`` is already our
+    wrapper, and ``wrapper_for`` would then unwrap the stub to TE's function and hand back
+    TE's wrapper, timing TE instead of the stub.
+
+    ``stub.release()`` drops ``out`` (``wrapper_for`` keeps the stub's wrapper, and so the
+    stub, for the life of the process; the gradients are up to 1.5 GB).
+    """
+    sig = inspect.signature(te_fn)
+    box = [out]
+
+    def stub_fused_attn_bwd(*args: Any, **kwargs: Any) -> Any:
+        return box[0]
+
+    stub_fused_attn_bwd.__signature__ = sig  # type: ignore[attr-defined]
+    stub_fused_attn_bwd.release = box.clear  # type: ignore[attr-defined]
+    return stub_fused_attn_bwd
+
+
+def time_direct(
+    te_fn: Callable,
+    out: Any,
+    kwargs: Dict[str, Any],
+    modes: Dict[str, Callable[[], None]],
+    rounds: int,
+    warmup: int = 10,
+    **timer: Any,
+) -> Tuple[Dict[str, Dict[str, Any]], Dict[str, Dict[str, Any]]]:
+    """Host time the wrapper adds around a stub of ``te_fn`` returning ``out``, per mode.
+
+    ``modes`` maps a timing name to the setup that puts the wrapper in that mode (the
+    cached cuDNN decision). Returns the timings (``stub_host``, the reference, then each
+    mode with ``overhead_us`` = paired median of wrapper(stub) - stub) and, per mode, what
+    one call did (the wrapper's call counters and whether it returned the stub's object):
+    the proof that the post-pass mode ran the post-pass and the pass-through did not.
+    ``timer`` goes to :func:`time_host_group` (``sync``, ``clock``, ``chunk``).
+    """
+    from te_gqa_fix import call_counts
+
+    stub = make_stub(te_fn, out)
+    wrapped = wrapper_for(stub)
+
+    def stub_call() -> Any:
+        return stub(**kwargs)
+
+    def wrapper_call() -> Any:
+        return wrapped(**kwargs)
+
+    checks: Dict[str, Dict[str, Any]] = {}
+    fns: Dict[str, Callable[[], Any]] = {"stub_host": stub_call}
+    setups: Dict[str, Callable[[], None]] = {"stub_host": lambda: None}
+    try:
+        for name, setup in modes.items():
+            setup()
+            before = call_counts()
+            got = wrapper_call()
+            after = call_counts()
+            checks[name] = {k: after[k] - before[k] for k in after}
+            checks[name]["returned_stub_output"] = got is out
+            fns[name], setups[name] = wrapper_call, setup
+        return time_host_group(fns, setups, rounds, warmup=warmup, **timer), checks
+    finally:
+        stub.release()  # type: ignore[attr-defined]
 
 
 def time_device(fn: Callable[[], Any], reps: int, warmup: int) -> Dict[str, Any]:
@@ -597,6 +680,24 @@ def run_workload(wl: Workload, te: TE, args: argparse.Namespace) -> Dict[str, An
     finally:
         guard._fixed[dev_index] = False
 
+    # The same, direct: the wrapper around a stub with TE's signature that returns real
+    # gradients of one TE call, against the stub, same arguments. TE's call time varies by
+    # about +-5 us from call to call, which blurs the paired difference above; this
+    # isolates the wrapper's Python and (post-pass mode) its kernel launch on real tensors.
+    try:
+        direct, modes_done = time_direct(
+            te.original, bwd(), bwd_kw,
+            {"wrapper_stub_host": decide(False), "passthrough_stub_host": decide(True)},
+            args.stub_rounds,
+        )  # fmt: skip
+        res["timings"].update(direct)
+        res["checks"]["direct_modes"] = modes_done
+    except Exception as exc:
+        res["errors"]["host_direct"] = f"{type(exc).__name__}: {exc}"[:400]
+        traceback.print_exc()
+    finally:
+        guard._fixed[dev_index] = False
+
     # Workarounds that block the host, against the wrapper in the same (wall) mode.
     if not args.skip_workarounds:
         wall_group = {
@@ -729,6 +830,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument(
         "--host-budget", type=float, default=2.0, help="seconds of host timing per workload"
     )
+    p.add_argument(
+        "--stub-rounds",
+        type=int,
+        default=1000,
+        help="rounds of the direct host timing (wrapper around a stub of TE's function)",
+    )
     p.add_argument("--label", default="", help="a name for this run's build (report only)")
     p.add_argument("--out", default=os.environ.get("OUT") or "bench-out")
     p.add_argument("--selftest", action="store_true", help="CPU-only checks of this script")
@@ -818,9 +925,229 @@ def main(argv: Optional[List[str]] = None) -> int:
 # --------------------------------------------------------------------------- selftest
 
 
-def selftest(args: argparse.Namespace) -> int:
-    """CPU checks of the pieces that do not need a GPU: workloads, counts, loop, tables."""
+def selftest_pairing() -> None:
+    """``time_host_group`` on fake callables and a fake clock: exact paired medians.
+
+    The reference's cost drifts by up to 370 us from round to round (as TE's call does, in
+    smaller steps); "over" costs the reference's cost of the same call plus 3 us, plus
+    297 us more on 2 calls in 5; "under" costs 1 us less. Paired medians must read exactly
+    3.0 and -1.0 (the difference of separate medians would not). A sync costs a fake second: one inside a timed call would show. Each
+    function's own setup must run right before it, and the order rotates round by round.
+    """
+    now = [0]
+    order: List[str] = []
+    state = {"setup": ""}
+    calls = {"ref": 0, "over": 0, "under": 0}
+    drift = [100_000 + 37_000 * ((7 * i) % 11) for i in range(400)]  # ns
+    cost = {
+        "ref": lambda i: drift[i],
+        "over": lambda i: drift[i] + (3_000 if i % 5 > 1 else 300_000),
+        "under": lambda i: drift[i] - 1_000,
+    }
+
+    def fn(name: str) -> Callable[[], None]:
+        def f() -> None:
+            assert state["setup"] == name, (state, name)
+            order.append(name)
+            now[0] += cost[name](calls[name])
+            calls[name] += 1
+
+        return f
+
+    def setup(name: str) -> Callable[[], None]:
+        return lambda: state.update(setup=name)
+
+    syncs = []
+
+    def sync() -> None:
+        syncs.append(len(order))
+        now[0] += 10**9
+
+    names = list(calls)
+    warmup, rounds, chunk = 3, 101, 4
+    out = time_host_group(
+        {n: fn(n) for n in names}, {n: setup(n) for n in names}, rounds,
+        chunk=chunk, warmup=warmup, sync=sync, clock=lambda: now[0],
+    )  # fmt: skip
+    assert set(out) == set(names) and "overhead_us" not in out["ref"], out
+    assert out["over"]["overhead_us"] == 3.0, out["over"]
+    assert out["under"]["overhead_us"] == -1.0, out["under"]
+    ref = sorted(drift[i] / 1e3 for i in range(warmup, warmup + rounds))
+    assert out["ref"]["median_us"] == statistics.median(ref), out["ref"]
+    assert (out["ref"]["p10_us"], out["ref"]["p90_us"]) == (ref[10], ref[90]), out["ref"]
+    assert all(t["n"] == rounds and t["mode"] == "host" for t in out.values()), out
+    timed = order[3 * warmup :]
+    firsts = [timed[3 * r] for r in range(rounds)]
+    assert firsts == [names[r % 3] for r in range(rounds)], firsts[:6]
+    # After the warm-up, after every chunk of rounds, at the end (calls made before each).
+    every = [3 * (warmup + r) for r in range(chunk, rounds + 1, chunk)]
+    assert syncs == [3 * warmup, *every, 3 * (warmup + rounds)], syncs
+    print(f"time_host_group: paired overheads {out['over']['overhead_us']} / "
+          f"{out['under']['overhead_us']} us on a fake clock, {len(syncs)} syncs outside")  # fmt: skip
+
+
+def _te_like_call(wl: Workload) -> Tuple[Callable, Dict[str, Any], Any, Callable[[Any], None]]:
+    """A fake TE 2.20 ``fused_attn_bwd`` (TE's exact signature, from tests/fakes), the
+    keyword arguments the benchmark would pass it for ``wl`` (CPU tensors), its call log,
+    and a check that a gradients list has exactly the dead rows of ``wl`` zeroed."""
     from te_gqa_fix.postpass import dead_row_masks
+
+    tests_dir = str(ROOT / "tests")
+    if tests_dir not in sys.path:
+        sys.path.insert(0, tests_dir)
+    from fakes.te_signatures import build_fake
+
+    te_calls: List[Dict[str, Any]] = []
+
+    def te_body(bound: Dict[str, Any]) -> Any:
+        te_calls.append(bound)
+        return [torch.full_like(bound[n], 1000.0) for n in ("q", "k", "v")] + [None]
+
+    te_fn = build_fake("2.20", te_body)
+    dtype = getattr(torch, wl.dtype)
+    i32 = dict(dtype=torch.int32)
+    cu_q, cu_kv = torch.tensor(wl.cu(wl.lq), **i32), torch.tensor(wl.cu(wl.lk), **i32)
+    pad = torch.tensor(wl.pad, **i32)
+    q, o, d_o = (torch.randn(wl.rows, wl.h_q, wl.d, dtype=dtype) for _ in range(3))
+    k, v = (torch.randn(wl.rows, wl.h_kv, wl.d, dtype=dtype) for _ in range(2))
+    kw = _call_kwargs(
+        te_fn,
+        dict(_common(wl, cu_q, cu_kv, pad, 64), q=q, k=k, v=v, o=o, d_o=d_o, fake_dtype=dtype,
+             aux_ctx_tensors=[], fused_attention_backend="F16_arbitrary_seqlen (fake)"),
+    )  # fmt: skip
+    dead = dead_row_masks(cu_q, cu_kv, pad, pad, rows_q=wl.rows, rows_kv=wl.rows,
+                          attn_mask_type=wl.mask)  # fmt: skip
+
+    def fixed_right(g: Any) -> bool:
+        return all(
+            bool((t[m] == 0).all()) and bool((t[~m] == 1000.0).all())
+            for t, m in ((g[0], dead.q), (g[1], dead.kv), (g[2], dead.kv))
+        )
+
+    return te_fn, kw, te_calls, fixed_right
+
+
+def stub_problems(stub: Callable, te_fn: Callable, kw: Dict[str, Any], out: Any,
+                  te_calls: List[Any], fixed_right: Callable[[Any], bool]) -> List[str]:  # fmt: skip
+    """What is wrong with ``stub`` as the direct measurement's stand-in for ``te_fn``: its
+    signature differs, its wrapper is not its own, calls TE's function, does not return
+    the stub's object, or does not post-process it as it would TE's (read by keyword, by
+    position, and mixed)."""
+    from te_gqa_fix import call_counts
+    from te_gqa_fix.wrapper import unwrap
+
+    problems = []
+    if inspect.signature(stub) != inspect.signature(te_fn):
+        problems.append(f"signature {inspect.signature(stub)} is not TE's")
+    w = wrapper_for(stub)
+    if unwrap(w) is not stub:
+        problems.append(f"wrapper_for(stub) wraps {unwrap(w)!r}, not the stub")
+    bound = inspect.signature(te_fn).bind(**kw)
+    mixed = (bound.args, bound.kwargs)  # positional up to the first parameter not given
+    bound.apply_defaults()
+    calls = {"keywords": ((), kw), "mixed": mixed, "positional": (bound.args, {})}
+    for how, (a, k) in calls.items():
+        for t in out[:3]:
+            t.fill_(1000.0)
+        n_te, before = len(te_calls), call_counts()
+        try:
+            got = w(*a, **k)
+        except Exception as exc:
+            problems.append(f"{how}: the stub's wrapper raised {type(exc).__name__}: {exc}")
+            continue
+        after = call_counts()
+        if len(te_calls) != n_te:
+            problems.append(f"{how}: the stub's wrapper called TE's function")
+        if got is not out:
+            problems.append(f"{how}: the stub's wrapper returned another object")
+        if (after["fixed"] - before["fixed"], after["passthrough"] - before["passthrough"]) != (
+            1, 0
+        ) or not fixed_right(out):  # fmt: skip
+            problems.append(f"{how}: the stub's gradients were not post-processed as TE's")
+    return problems
+
+
+def selftest_stub(wl: Workload) -> None:
+    """The direct measurement's stub and :func:`time_direct`, on CPU with a fake TE.
+
+    Negative controls show the checks can fail: a stub made with ``functools.wraps`` of
+    TE's wrapper (its wrapper is TE's, which calls TE), one without TE's signature (the
+    wrapper cannot bind arguments and passes through).
+    """
+    import functools
+    import logging
+
+    from te_gqa_fix import call_counts
+
+    te_fn, kw, te_calls, fixed_right = _te_like_call(wl)
+    policy = os.environ.pop("TE_GQA_FIX", None)
+    log = logging.getLogger("te_gqa_fix")
+    try:
+        for src in (te_fn, wrapper_for(te_fn)):
+            out = [torch.full_like(kw[n], 1000.0) for n in ("q", "k", "v")] + [None]
+            problems = stub_problems(make_stub(src, out), te_fn, kw, out, te_calls, fixed_right)
+            assert not problems, problems
+        bad = {
+            "functools.wraps(TE's wrapper)": lambda o: functools.wraps(wrapper_for(te_fn))(
+                lambda *a, **k: o
+            ),
+            "no signature": lambda o: lambda *a, **k: o,
+        }
+        log_level, log.level = log.level, logging.CRITICAL  # the expected pass-through warning
+        try:
+            for why, make in bad.items():
+                out = [torch.full_like(kw[n], 1000.0) for n in ("q", "k", "v")] + [None]
+                problems = stub_problems(make(out), te_fn, kw, out, te_calls, fixed_right)
+                assert problems, f"{why}: the stub checks did not fire"
+                print(f"stub check fires on a stub made with {why}: {problems[0]}")
+        finally:
+            log.level = log_level
+        del te_calls[:]
+
+        # time_direct end to end (no GPU: no sync, and the mode is the policy variable
+        # here, since the cached cuDNN decision is only read for CUDA tensors).
+        def env(value: str) -> Callable[[], None]:
+            return lambda: os.environ.__setitem__("TE_GQA_FIX", value)
+
+        out = [torch.full_like(kw[n], 1000.0) for n in ("q", "k", "v")] + [None]
+        before = call_counts()
+        timings, modes = time_direct(
+            te_fn, out, kw, {"wrapper_stub_host": env("auto"), "passthrough_stub_host": env("off")},
+            rounds=20, warmup=2, sync=lambda: None,
+        )  # fmt: skip
+        after = call_counts()
+    finally:
+        os.environ.pop("TE_GQA_FIX", None)
+        if policy is not None:
+            os.environ["TE_GQA_FIX"] = policy
+    assert not te_calls, "time_direct called TE's function"
+    assert list(timings) == ["stub_host", "wrapper_stub_host", "passthrough_stub_host"], timings
+    assert all(t["n"] == 20 for t in timings.values()), timings
+    assert "overhead_us" not in timings["stub_host"], timings
+    assert all("overhead_us" in timings[n] for n in ("wrapper_stub_host", "passthrough_stub_host"))
+    assert modes["wrapper_stub_host"]["fixed"] == 1, modes
+    assert modes["passthrough_stub_host"] == dict(modes["passthrough_stub_host"], fixed=0,
+                                                  skipped=1, returned_stub_output=True), modes  # fmt: skip
+    assert modes["wrapper_stub_host"]["returned_stub_output"], modes
+    # One check call per mode, then per mode 2 warm-up + 20 timed calls.
+    assert after["fixed"] - before["fixed"] == 1 + 22 and fixed_right(out), (before, after)
+    assert after["skipped"] - before["skipped"] == 1 + 22, (before, after)
+    print(
+        "time_direct on CPU: post-pass "
+        f"{timings['wrapper_stub_host']['overhead_us']:.1f} us, pass-through "
+        f"{timings['passthrough_stub_host']['overhead_us']:.1f} us over the stub "
+        "(CPU, torch post-pass; not the GPU numbers)"
+    )
+
+
+def selftest(args: argparse.Namespace) -> int:
+    """CPU checks of the pieces that do not need a GPU: workloads, counts, loop, the host
+    timer and the direct measurement's stub, tables."""
+    from te_gqa_fix.postpass import dead_row_masks
+
+    selftest_pairing()
+    selftest_stub(all_workloads(args.mask)["seed"])
+    selftest_stub(cp_workload("small-gqa", 512, 4, 2, 8, args.mask))
 
     for wl in all_workloads(args.mask).values():
         span = key_span(wl.mask)
@@ -850,13 +1177,46 @@ def selftest(args: argparse.Namespace) -> int:
         "errors": {},
     }  # fmt: skip
     res["timings"]["postpass_triton"] = {"median_us": 9.0}
+    # The paired overheads miss the goals, the direct ones meet them: the direct decide.
     res["timings"]["te_host"] = {"median_us": 150.0}
-    res["timings"]["wrapper_host"] = {"median_us": 160.0, "overhead_us": 10.0}
-    res["timings"]["passthrough_host"] = {"median_us": 152.0, "overhead_us": 2.0}
+    res["timings"]["wrapper_host"] = {"median_us": 170.0, "overhead_us": 20.0}
+    res["timings"]["passthrough_host"] = {"median_us": 157.0, "overhead_us": 7.0}
+    res["timings"]["stub_host"] = {"median_us": 0.5}
+    res["timings"]["wrapper_stub_host"] = {"median_us": 12.5, "overhead_us": 12.0}
+    res["timings"]["passthrough_stub_host"] = {"median_us": 3.5, "overhead_us": 3.0}
+    res["checks"]["direct_modes"] = {
+        "wrapper_stub_host": {"calls": 1, "fixed": 1, "skipped": 0, "passthrough": 0,
+                              "returned_stub_output": True},
+        "passthrough_stub_host": {"calls": 1, "fixed": 0, "skipped": 1, "passthrough": 0,
+                                  "returned_stub_output": True},
+    }  # fmt: skip
     bw = {"copy_traffic_GBps": 4000.0, "fill_GBps": 3000.0}
     res["summary"] = summarize(res, bw)
     s = res["summary"]
     assert s["host_goal_met"] and s["passthrough_goal_met"] and s["device_goal_met"], s
+    assert (s["host_goal_basis"], s["host_overhead_us"], s["host_overhead_paired_us"]) == (
+        "direct", 12.0, 20.0), s  # fmt: skip
+    assert (s["passthrough_goal_basis"], s["passthrough_overhead_us"]) == ("direct", 3.0), s
+    # An older bench.json (no direct timings) is decided on the paired ones.
+    old = dict(res, timings={k: v for k, v in res["timings"].items() if "stub" not in k})
+    s_old = summarize(old, bw)
+    assert s_old["host_goal_basis"] == s_old["passthrough_goal_basis"] == "paired", s_old
+    assert not s_old["host_goal_met"] and not s_old["passthrough_goal_met"], s_old
+    assert "host_overhead_direct_us" not in s_old, s_old
+    # A direct timing whose mode did not do its job (no post-pass ran) does not count.
+    bad_modes = dict(res["checks"]["direct_modes"])
+    bad_modes["wrapper_stub_host"] = dict(bad_modes["wrapper_stub_host"], fixed=0, skipped=1)
+    bad = dict(res, checks=dict(res["checks"], direct_modes=bad_modes))
+    s_bad = summarize(bad, bw)
+    assert s_bad["host_goal_basis"] == "paired" and not s_bad["host_goal_met"], s_bad
+    assert s_bad["passthrough_goal_basis"] == "direct", s_bad
+    row = bench_report.host_table([{"workloads": [res]}])[2]
+    assert "| 20.0 us | 12.0 us | yes | 157.0 us | 7.0 us | 3.0 us | yes |" in row, row
+    row = bench_report.host_table([{"workloads": [old]}])[2]
+    assert "| 20.0 us | - | NO (paired) | 157.0 us | 7.0 us | - | NO (paired) |" in row, row
+    assert "itself adds 12 us" in bench_report.headline([{"workloads": [res]}])
+    assert "adds 20 us of host time per call to TE's" in bench_report.headline(
+        [{"workloads": [old]}])  # fmt: skip
     big = dict(res, workload=dict(res["workload"], rows=32768))
     big["timings"] = dict(res["timings"], postpass_triton={"median_us": 4.0})
     assert not summarize(big, bw)["device_goal_met"]  # 1.6x the 2.5 us bound
@@ -866,7 +1226,11 @@ def selftest(args: argparse.Namespace) -> int:
         {"date": "-", "command": "-", "stack": {"cudnn_te": "9.19.0"}, "bandwidth": bw,
          "workloads": [res], "cudnn_fixed": True},
     ]  # fmt: skip
-    print(bench_report.results_block(reports))
+    block = bench_report.results_block(reports)
+    assert "wrapper host overhead (direct, around a stub) <= 15 us: **yes**" in block, block
+    mixed = bench_report.results_block([reports[0], dict(reports[1], workloads=[old])])
+    assert "(direct where measured, else paired vs TE's call) <= 15 us: **NO**" in mixed, mixed
+    print(block)
     print(bench_report.headline(reports))
     return 0
 

@@ -19,10 +19,10 @@ import json
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 #: Issue 12's goals.
-HOST_OVERHEAD_US = 15.0  # wrapper minus TE's own call, host time, median
+HOST_OVERHEAD_US = 15.0  # host time the wrapper adds to TE's call, median (see _host_goal)
 PASSTHROUGH_US = 5.0  # the same where cuDNN is fixed (the wrapper passes through)
 BOUND_FACTOR = 1.5  # device time of the post-pass / write bound, at >= LARGE_TOKENS
 LARGE_TOKENS = 32768
@@ -39,6 +39,41 @@ def _t(res: Dict[str, Any], name: str, field: str = "median_us") -> Optional[flo
 
 def yes(ok: Optional[bool]) -> str:
     return "-" if ok is None else ("yes" if ok else "NO")
+
+
+#: What one wrapper call must have done, per direct timing, for its number to count:
+#: the post-pass mode ran the post-pass, the pass-through ran nothing (checks.direct_modes).
+_DIRECT_MODE = {"wrapper_stub_host": ("fixed", 1), "passthrough_stub_host": ("skipped", 1)}
+
+
+def _host_goal(
+    res: Dict[str, Any], goal: str, paired: str, direct: str, limit: float
+) -> Dict[str, Any]:
+    """``<goal>_overhead_{paired,direct}_us`` and the goal, decided on the direct one.
+
+    Paired: the wrapper minus TE's own call in the same round; TE's call varies by about
+    +-5 us from call to call, so it blurs a 5 us goal. Direct: the wrapper around a stub
+    of TE's function minus the stub; it isolates the wrapper's Python and its launch, and
+    decides the goal (``<goal>_goal_basis``) unless the run lacks it (older bench.json) or
+    its check says the mode did not do what it is named for.
+    """
+    s: Dict[str, Any] = {}
+    p, d = _t(res, paired, "overhead_us"), _t(res, direct, "overhead_us")
+    if p is not None:
+        s[f"{goal}_overhead_paired_us"] = p
+    if d is not None:
+        s[f"{goal}_overhead_direct_us"] = d
+        done = res.get("checks", {}).get("direct_modes", {}).get(direct)
+        key, want = _DIRECT_MODE[direct]
+        if done is not None and not (done.get(key) == want and done.get("returned_stub_output")):
+            s[f"{goal}_direct_invalid"] = done
+            d = None
+    basis, over = ("direct", d) if d is not None else ("paired", p)
+    if over is not None:
+        s[f"{goal}_overhead_us"] = over
+        s[f"{goal}_goal_basis"] = basis
+        s[f"{goal}_goal_met"] = over <= limit
+    return s
 
 
 def summarize(res: Dict[str, Any], bw: Dict[str, float]) -> Dict[str, Any]:
@@ -63,14 +98,11 @@ def summarize(res: Dict[str, Any], bw: Dict[str, float]) -> Dict[str, Any]:
         else:
             s["device_goal"] = f"<= {SMALL_US:g} us"
             s["device_goal_met"] = pp <= SMALL_US
-    over = _t(res, "wrapper_host", "overhead_us")
-    if over is not None:
-        s["host_overhead_us"] = over
-        s["host_goal_met"] = over <= HOST_OVERHEAD_US
-    over = _t(res, "passthrough_host", "overhead_us")
-    if over is not None:
-        s["passthrough_overhead_us"] = over
-        s["passthrough_goal_met"] = over <= PASSTHROUGH_US
+    for goal, paired, direct, limit in (
+        ("host", "wrapper_host", "wrapper_stub_host", HOST_OVERHEAD_US),
+        ("passthrough", "passthrough_host", "passthrough_stub_host", PASSTHROUGH_US),
+    ):
+        s.update(_host_goal(res, goal, paired, direct, limit))
     factors = {}
     for name, ref in (
         ("bwd+torch_postpass", "wrapper"),
@@ -156,12 +188,24 @@ def device_table(report: Dict[str, Any]) -> List[str]:
     return lines
 
 
+def _goal_cells(s: Dict[str, Any], goal: str) -> str:
+    """The paired, direct and yes/no cells of one goal (yes/no marked when not direct)."""
+    direct = _fmt(s.get(f"{goal}_overhead_direct_us"), "us")
+    if f"{goal}_direct_invalid" in s:
+        direct += " (mode check failed)"
+    met = yes(s.get(f"{goal}_goal_met"))
+    if s.get(f"{goal}_goal_basis") == "paired":
+        met += " (paired)"
+    return f"{_fmt(s.get(f'{goal}_overhead_paired_us'), 'us')} | {direct} | {met}"
+
+
 def host_table(reports: Sequence[Dict[str, Any]]) -> List[str]:
     lines = [
-        "| build | workload | TE's call | wrapper (post-pass) | overhead | "
-        f"<= {HOST_OVERHEAD_US:g} us | wrapper (pass-through) | overhead | "
-        f"<= {PASSTHROUGH_US:g} us | default here |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| build | workload | TE's call | wrapper (post-pass) | paired overhead vs TE | "
+        f"direct overhead (stub) | <= {HOST_OVERHEAD_US:g} us | wrapper (pass-through) | "
+        f"paired overhead vs TE | direct overhead (stub) | <= {PASSTHROUGH_US:g} us | "
+        "default here |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for report in reports:
         fixed = report.get("cudnn_fixed")
@@ -171,12 +215,25 @@ def host_table(reports: Sequence[Dict[str, Any]]) -> List[str]:
             lines.append(
                 f"| {label(report)} | {res['workload']['name']} | "
                 f"{_fmt(_t(res, 'te_host'), 'us')} | {_fmt(_t(res, 'wrapper_host'), 'us')} | "
-                f"{_fmt(s.get('host_overhead_us'), 'us')} | {yes(s.get('host_goal_met'))} | "
-                f"{_fmt(_t(res, 'passthrough_host'), 'us')} | "
-                f"{_fmt(s.get('passthrough_overhead_us'), 'us')} | "
-                f"{yes(s.get('passthrough_goal_met'))} | {default} |"
+                f"{_goal_cells(s, 'host')} | {_fmt(_t(res, 'passthrough_host'), 'us')} | "
+                f"{_goal_cells(s, 'passthrough')} | {default} |"
             )
     return lines
+
+
+#: Under the host table's heading: what each column is and which one decides.
+HOST_TABLE_NOTE = (
+    "Medians of the host time per call (no sync inside a call, calls interleaved). TE's "
+    "call: `fused_attn_bwd` itself; wrapper: the same call through te-gqa-fix, post-pass "
+    "forced, and pass-through forced (the cached cuDNN decision set to fixed). Paired "
+    "overhead vs TE: median over rounds of (wrapper - TE's call) in the same round; TE's "
+    "call varies by about +-5 us from call to call, so this is a cross-check. Direct "
+    "overhead (stub): median over rounds of (wrapper - original) where the original is a "
+    "stub with TE's signature that returns real gradients of one TE call at once; it "
+    "isolates the wrapper's Python and, post-pass, its kernel launch on those gradients, "
+    "and the yes/no columns are decided on it (on the paired one, marked, for a run "
+    "without it)."
+)
 
 
 def workaround_table(report: Dict[str, Any]) -> List[str]:
@@ -267,17 +324,19 @@ def goals_summary(reports: Sequence[Dict[str, Any]]) -> Dict[str, Optional[bool]
 def results_block(reports: Sequence[Dict[str, Any]]) -> str:
     """The generated part of docs/performance.md: every table, both builds."""
     g = goals_summary(reports)
+    how = {goal: _basis_note(reports, goal) for goal in ("host", "passthrough")}
     lines = [
-        "Goals (issue 12), over every workload of both builds: wrapper host overhead <= "
-        f"{HOST_OVERHEAD_US:g} us: **{yes(g['host'])}**; pass-through <= {PASSTHROUGH_US:g} "
-        f"us: **{yes(g['passthrough'])}**; post-pass device time <= {BOUND_FACTOR:g}x the "
+        "Goals (issue 12), over every workload of both builds: wrapper host overhead"
+        f"{how['host']} <= {HOST_OVERHEAD_US:g} us: **{yes(g['host'])}**; pass-through"
+        f"{how['passthrough']} <= {PASSTHROUGH_US:g} us: **{yes(g['passthrough'])}**; "
+        f"post-pass device time <= {BOUND_FACTOR:g}x the "
         f"write bound at >= {LARGE_TOKENS // 1024}K tokens and <= {SMALL_US:g} us below: "
         f"**{yes(g['device'])}**.",
         "",
     ]
     for report in reports:
         lines += [f"- {stack_line(report)}"]
-    lines += ["", "### Host time per call (median; overhead = paired median difference)", ""]
+    lines += ["", "### Host time per call", "", HOST_TABLE_NOTE, ""]
     lines += host_table(reports)
     for report in reports:
         lines += ["", f"### Post-pass cost, {label(report)} (device time, medians)", ""]
@@ -310,7 +369,8 @@ def headline(reports: Sequence[Dict[str, Any]]) -> str:
     affected = [r for r in reports if r.get("cudnn_fixed") is False] or list(reports)
     rep = affected[0]
     by = {res["workload"]["name"]: res for res in rep.get("workloads", [])}
-    pcts, xs, over = [], [], []
+    pcts: List[Tuple[str, float]] = []
+    xs: List[float] = []
     for name in ("llama8b-8k", "llama8b-32k", "llama8b-128k"):
         res = by.get(name)
         if res is None:
@@ -320,17 +380,12 @@ def headline(reports: Sequence[Dict[str, Any]]) -> str:
             pcts.append((name.split("-")[-1].upper(), s["postpass_pct_of_bwd"]))
         if s.get("x_bound") is not None:
             xs.append(s["x_bound"])
-    for r in reports:
-        for res in r.get("workloads", []):
-            s = _summary(res, r)
-            if s.get("host_overhead_us") is not None:
-                over.append(s["host_overhead_us"])
-    passes = [
-        _summary(res, r).get("passthrough_overhead_us")
-        for r in reports
-        for res in r.get("workloads", [])
-    ]
-    passes = [p for p in passes if p is not None]
+    # The direct overheads where any run has them (they decide the goals), else paired.
+    by = _overheads(reports, "host")
+    over_basis = "direct" if by["direct"] else "paired"
+    over = by[over_basis]
+    by = _overheads(reports, "passthrough")
+    passes = by["direct"] or by["paired"]
     st = rep.get("stack", {})
     parts = [
         f"Headline ({st.get('gpu')}, TE {st.get('te')}, Llama-3-8B attention: 32/8 heads, d "
@@ -342,7 +397,12 @@ def headline(reports: Sequence[Dict[str, Any]]) -> str:
     ]
     if xs:
         parts.append(f"within {_range(xs, '.1f')}x of the time it takes to write the zeros")
-    if over:
+    if over and over_basis == "direct":
+        parts.append(
+            f"the wrapper itself adds {_range(over, '.0f')} us of host time per call (its "
+            "Python and the post-pass launch, timed around a stub of TE's function)"
+        )
+    elif over:
         parts.append(f"the wrapper adds {_range(over, '.0f')} us of host time per call to TE's")
     if passes:
         parts.append(
@@ -350,6 +410,24 @@ def headline(reports: Sequence[Dict[str, Any]]) -> str:
             "at most, no device work)"
         )
     return ", ".join(parts) + "."
+
+
+def _overheads(reports: Sequence[Dict[str, Any]], goal: str) -> Dict[str, List[float]]:
+    """The overheads that decided ``goal`` over every workload, by basis (direct/paired)."""
+    by: Dict[str, List[float]] = {"direct": [], "paired": []}
+    for r in reports:
+        for res in r.get("workloads", []):
+            s = _summary(res, r)
+            if s.get(f"{goal}_overhead_us") is not None:
+                by[s[f"{goal}_goal_basis"]].append(s[f"{goal}_overhead_us"])
+    return by
+
+
+def _basis_note(reports: Sequence[Dict[str, Any]], goal: str) -> str:
+    by = _overheads(reports, goal)
+    if by["direct"] and by["paired"]:
+        return " (direct where measured, else paired vs TE's call)"
+    return " (paired vs TE's call)" if by["paired"] else " (direct, around a stub)"
 
 
 def _range(xs: Sequence[float], fmt: str) -> str:
