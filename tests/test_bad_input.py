@@ -373,7 +373,7 @@ def _run_worker(check: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("check", ["kernel_offsets", "public_triton"])
+@pytest.mark.parametrize("check", ["kernel_offsets", "kernel_offsets_chunked", "public_triton"])
 def test_interpreter_worker(check: str) -> None:
     pytest.importorskip("triton")
     proc = _run_worker(check)
@@ -550,7 +550,19 @@ def _worker_public_triton() -> None:
     assert not triton_postpass._broken
 
 
-WORKER_CHECKS = {"kernel_offsets": _worker_kernel_offsets, "public_triton": _worker_public_triton}
+def _worker_kernel_offsets_chunked() -> None:
+    """The same with the offsets scanned 2 at a time: errors in every chunk position."""
+    offset_errors._OFF_BLOCK_MAX = 2
+    _worker_kernel_offsets()
+    chunks = {p.meta["OFF_CHUNKS"] for p in triton_postpass._launch_plans.values()}
+    assert max(chunks) == 3, chunks
+
+
+WORKER_CHECKS = {
+    "kernel_offsets": _worker_kernel_offsets,
+    "kernel_offsets_chunked": _worker_kernel_offsets_chunked,
+    "public_triton": _worker_public_triton,
+}
 
 
 if __name__ == "__main__":

@@ -7,7 +7,11 @@ tests/test_triton_postpass.py <check>``): nothing leaks into the other tests. Ea
 check compares, byte for byte, the whole storage behind dQ/dK/dV (guard rows past the
 end included) after the kernel with the storage after ``zero_dead_rows(impl="torch")``,
 and the kernel's zeroed rows with a row-by-row Python reference built on
-:func:`te_gqa_fix.masks.key_interval`.
+:func:`te_gqa_fix.masks.key_interval`. Every row of every buffer starts with a NaN in it
+(and random values, more NaN and Inf elsewhere), so a dead row left alone or a live row
+written cannot pass. Batches of more than 255 sequences, and a worker that caps the
+offsets chunk at 2, run the kernel's loop over offset chunks; impossible offsets in a
+later chunk must zero nothing.
 
 The ``gpu`` tests run the compiled kernel on CUDA (same checks, plus no host sync and
 CUDA-graph capture); they skip cleanly without CUDA or Triton.
@@ -16,6 +20,7 @@ CUDA-graph capture); they skip cleanly without CUDA or Triton.
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -26,9 +31,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from te_gqa_fix import triton_postpass
+from te_gqa_fix import offset_errors, triton_postpass
 from te_gqa_fix.masks import KNOWN_MASK_TYPES, KeySpan, key_interval, key_span
-from te_gqa_fix.postpass import zero_dead_rows
+from te_gqa_fix.offset_errors import OffsetsError
+from te_gqa_fix.postpass import _offset_error_bits, zero_dead_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = ("separate", "t2hd", "th2d", "t3hd", "th3d", "transposed")
@@ -81,6 +87,7 @@ def batches(draw: Any) -> Dict[str, Any]:
         window=window,
         bottom_right=draw(st.sampled_from([None, True, False])),
         seed=draw(st.integers(0, 2**31 - 1)),
+        offset_dtype=draw(st.sampled_from([torch.int32, torch.int64])),
     )
 
 
@@ -93,11 +100,16 @@ def _offsets(lengths: List[int], gaps: List[int], lead: int) -> Tuple[List[int],
 
 
 def _fill(base: torch.Tensor, gen: torch.Generator) -> None:
-    """Random values with NaN and Inf sprinkled everywhere (stale workspace can be anything)."""
+    """Random values with NaN and Inf sprinkled everywhere (stale workspace can be anything),
+    and a NaN in every row: a dead row the kernel skips can never pass as zeroed."""
     values = torch.randn(base.shape, generator=gen, dtype=torch.float32)
     pick = torch.rand(base.shape, generator=gen)
     values[pick < 0.1] = float("nan")
     values[pick > 0.95] = float("inf")
+    flat = values.reshape(base.shape[0], -1)
+    if flat.numel():
+        col = torch.randint(flat.shape[1], (flat.shape[0],), generator=gen)
+        flat[torch.arange(flat.shape[0]), col] = float("nan")
     base.copy_(values.to(base.dtype))
 
 
@@ -195,8 +207,8 @@ def run_case(case: Dict[str, Any], device: str, launch: Any) -> None:
     rows_kv = pad_kv[-1] + case["tail_kv"]
     if case["layout"] in ("t3hd", "th3d"):
         rows_q = rows_kv = max(rows_q, rows_kv)
-    i32 = dict(dtype=torch.int32, device=device)
-    offs = [torch.tensor(x, **i32) for x in (cu_q, cu_kv, pad_q, pad_kv)]
+    ints = dict(dtype=case.get("offset_dtype", torch.int32), device=device)
+    offs = [torch.tensor(x, **ints) for x in (cu_q, cu_kv, pad_q, pad_kv)]
     if not case["padded"]:
         offs[2] = offs[3] = None  # type: ignore[call-overload]
     mask_args = dict(
@@ -211,7 +223,9 @@ def run_case(case: Dict[str, Any], device: str, launch: Any) -> None:
     before = [_row_bytes(t) if t is not None else None for t in (dq_k, dk_k, dv_k)]
 
     launch(dq_k, dk_k, dv_k, *offs, span)
-    zero_dead_rows(dq_t, dk_t, dv_t, *offs, impl="torch", **mask_args)  # type: ignore[arg-type]
+    # The public post-pass takes int32 offsets only (TE's dtype); the kernel takes int64 too.
+    offs32 = [None if o is None else o.to(torch.int32) for o in offs]
+    zero_dead_rows(dq_t, dk_t, dv_t, *offs32, impl="torch", **mask_args)  # type: ignore[arg-type]
 
     got, want = _bytes(bases_k), _bytes(bases_t)
     for i, (a, b) in enumerate(zip(got, want)):
@@ -309,6 +323,148 @@ def _check_fixed() -> None:
         assert _row_is_zero(dq) == [True] * 4 + [False] * 3 + [True] * 5, _row_is_zero(dq)
 
 
+def many_case(nseq: int, seed: int, **changes: Any) -> Dict[str, Any]:
+    """A batch of ``nseq`` short sequences: more offsets than one chunk (256) holds.
+
+    Lengths include zeros on either side (q-empty and kv-empty sequences), padded
+    segments have gaps, and there are leading and tail rows.
+    """
+    rng = random.Random(seed)
+    case = dict(
+        lq=[rng.choice((0, 0, 1, 2, 3)) for _ in range(nseq)],
+        lk=[rng.choice((0, 1, 2, 4)) for _ in range(nseq)],
+        padded=True,
+        gaps_q=[rng.choice((0, 0, 1, 3)) for _ in range(nseq)],
+        gaps_kv=[rng.choice((0, 0, 2)) for _ in range(nseq)],
+        lead=2, tail_q=3, tail_kv=37, layout="t2hd", h_q=2, h_kv=1, d=3, d_v=3,
+        with_q=True, dtype=torch.bfloat16, mask="padding_causal", window=(-1, -1),
+        bottom_right=None, seed=seed, offset_dtype=torch.int64,
+    )  # fmt: skip
+    case.update(changes)
+    if not case["padded"]:
+        case.update(gaps_q=[0] * nseq, gaps_kv=[0] * nseq, lead=0)
+    return case
+
+
+#: (nseq, (BLOCK_T, BLOCK_C), changes): 256 offsets (one full chunk), 257 (the last
+#: offset alone in the second chunk), 301 (two chunks); packed and separate layouts, dq
+#: None, int32/int64 offsets, padded offsets given or not; the default launch parameters
+#: and larger ones the sweep tries (fewer programs also keep the interpreter quick).
+MANY = (
+    (255, (64, 128), dict(layout="separate", offset_dtype=torch.int32)),
+    (256, (64, 256), dict(layout="th2d")),
+    (300, (32, 128), {}),
+    (300, (128, 256), dict(layout="separate", with_q=False, padded=False)),
+    (300, (128, 64), dict(layout="transposed", h_q=4, h_kv=2, offset_dtype=torch.int32)),
+)
+
+
+def _check_many() -> None:
+    """MANY x FIXED_MASKS, then impossible offsets in the second chunk."""
+    saved = triton_postpass.BLOCK_T, triton_postpass.BLOCK_C
+    try:
+        for nseq, (block_t, block_c), changes in MANY:
+            triton_postpass.BLOCK_T, triton_postpass.BLOCK_C = block_t, block_c
+            for mask, window, bottom_right in FIXED_MASKS:
+                case = many_case(nseq, nseq, **changes, mask=mask, window=window)
+                case["bottom_right"] = bottom_right
+                run_case(case, "cpu", _launch_checked)
+        chunks = {p.meta["OFF_CHUNKS"] for p in triton_postpass._launch_plans.values()}
+        assert chunks == {1, 2}, chunks
+        triton_postpass.BLOCK_T = 128  # fewer programs: quicker under the interpreter
+        _check_bad_chunks()
+    finally:
+        triton_postpass.BLOCK_T, triton_postpass.BLOCK_C = saved
+
+
+def _check_bad_chunks() -> None:
+    """Impossible offsets only in the second chunk: bits as the PyTorch path's, no store."""
+    nseq = 300
+    case = many_case(nseq, 7)
+    cu_q, pad_q = _offsets(case["lq"], case["gaps_q"], case["lead"])
+    cu_kv, pad_kv = _offsets(case["lk"], case["gaps_kv"], case["lead"])
+    rows_q, rows_kv = pad_q[-1] + 3, pad_kv[-1] + 3
+
+    def decrease(x: List[int], i: int) -> List[int]:
+        y = list(x)
+        y[i] = y[i - 1] - 1
+        return y
+
+    def short(pad: List[int], cu: List[int], i: int) -> List[int]:
+        # Segment i one row shorter than its valid length; later offsets shift with it.
+        cut = (pad[i + 1] - pad[i]) - (cu[i + 1] - cu[i]) + 1
+        return pad[: i + 1] + [v - cut for v in pad[i + 1 :]]
+
+    def minus(x: List[int], i: int) -> List[int]:
+        y = list(x)
+        y[i] = -1
+        return y
+
+    i_long = next(i for i in range(260, nseq) if cu_kv[i + 1] > cu_kv[i])
+    bad = [
+        # (cu_q, cu_kv, pad_q, pad_kv, rows_q, rows_kv, with_q)
+        (cu_q, decrease(cu_kv, 290), pad_q, pad_kv, rows_q, rows_kv, True),
+        (cu_q, cu_kv, pad_q, short(pad_kv, cu_kv, i_long), rows_q, rows_kv, True),
+        (minus(cu_q, nseq), cu_kv, pad_q, pad_kv, rows_q, rows_kv, True),
+        (cu_q, cu_kv, pad_q, pad_kv, pad_q[-1] - 1, rows_kv, True),  # dQ too short
+        (cu_q, cu_kv, pad_q, pad_kv, pad_q[-1] - 1, rows_kv, False),  # ... but no dQ: fine
+        (cu_q, cu_kv, pad_q, pad_kv, rows_q, pad_kv[-1] - 1, True),
+        (cu_q, cu_kv, None, None, cu_q[-1], cu_kv[-1] - 1, True),
+        (cu_q, decrease(cu_kv, 270), None, None, rows_q, rows_kv, False),
+    ]
+    cpu = torch.device("cpu")
+    span = key_span("padding_causal_bottom_right", (4, 0))
+    for i, (cq, ck, pq, pk, rq, rk, with_q) in enumerate(bad):
+        for dtype in (torch.int32, torch.int64)[i % 2 :]:
+            offset_errors._reset()
+            offs = [None if x is None else torch.tensor(x, dtype=dtype) for x in (cq, ck, pq, pk)]
+            gen = torch.Generator().manual_seed(i)
+            bases = [torch.empty(rq + GUARD_ROWS, 2, 3), torch.empty(rk + GUARD_ROWS, 2, 1, 3)]
+            for b in bases:
+                _fill(b, gen)
+            before = _bytes(bases)
+            dq = bases[0][:rq] if with_q else None
+            dk, dv = bases[1][:rk, 0], bases[1][:rk, 1]
+            _launch_checked(dq, dk, dv, *offs, span)
+            i64 = [None if x is None else x.to(torch.int64) for x in offs]
+            want = int(
+                _offset_error_bits(
+                    i64[0], i64[1], i64[0] if pq is None else i64[2],
+                    i64[1] if pk is None else i64[3], pq is not None, pk is not None,
+                    rq if with_q else None, rk,
+                )
+            )  # fmt: skip
+            got = int(offset_errors.kernel_flag(cpu)[0])
+            assert got == want, (i, dtype, got, want)
+            if i == 4:
+                assert want == 0, "a short dQ buffer is no error when there is no dQ"
+                continue
+            assert want != 0, i
+            after = _bytes(bases)
+            assert all(torch.equal(a, b) for a, b in zip(after, before)), (i, "a store")
+            with pytest.raises(OffsetsError):
+                offset_errors.raise_pending(cpu)
+    offset_errors._reset()
+
+
+def _check_random_chunked() -> None:
+    """The random batches with offsets scanned 2 at a time: up to 3 chunks per program."""
+    offset_errors._OFF_BLOCK_MAX = 2
+    check = settings(
+        max_examples=INTERPRETER_EXAMPLES // 2,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )(given(case=batches())(_random_body))
+    check()
+    chunks = {p.meta["OFF_CHUNKS"] for p in triton_postpass._launch_plans.values()}
+    assert max(chunks) == 3, chunks
+
+
+def _random_body(case: Dict[str, Any]) -> None:
+    run_case(case, "cpu", _launch_checked)
+
+
 @settings(
     max_examples=INTERPRETER_EXAMPLES,
     deadline=None,
@@ -320,7 +476,12 @@ def _check_random(case: Dict[str, Any]) -> None:
     run_case(case, "cpu", _launch_checked)
 
 
-WORKER_CHECKS = {"fixed": _check_fixed, "random": _check_random}
+WORKER_CHECKS = {
+    "fixed": _check_fixed,
+    "many": _check_many,
+    "random": _check_random,
+    "random_chunked": _check_random_chunked,
+}
 
 
 def _run_worker(check: str) -> subprocess.CompletedProcess:

@@ -48,9 +48,8 @@ __all__ = ["Launches", "available", "zero_dead_rows_triton"]
 # Filled in by _build() on first use: the kernel bodies below refer to these module
 # globals, which Triton resolves when it compiles (or interprets) them.
 tl: Any = None
-_seq_index_jit: Any = None
 _zero_tiles_jit: Any = None
-_offset_errors_jit: Any = None
+_scan_offsets_jit: Any = None
 
 _kernel: Any = None
 _available: Optional[bool] = None
@@ -81,25 +80,6 @@ _MAX_TILES = 8
 
 # --------------------------------------------------------------------------- kernel
 # Plain functions, made Triton functions by _build(). Only long-standing ``tl`` APIs.
-
-
-def _seq_index(pad_ptr, rows, nseq, N_ITER: tl.constexpr):
-    """Per row: index ``b`` of the last offset ``pad[b] <= row`` (``-1`` if none).
-
-    Upper-bound binary search over the ``nseq + 1`` offsets; ``N_ITER`` iterations
-    (``(nseq + 1).bit_length()``) are always enough. Loop bounds are constexpr because
-    Triton 3.6's interpreter cannot iterate over a runtime scalar.
-    """
-    lo = tl.zeros_like(rows)
-    hi = tl.zeros_like(rows) + (nseq + 1)
-    for _ in range(N_ITER):
-        active = lo < hi
-        mid = (lo + hi) >> 1
-        val = tl.load(pad_ptr + mid, mask=active, other=0).to(tl.int64)
-        right = active & (val <= rows)
-        lo = tl.where(right, mid + 1, lo)
-        hi = tl.where(active & (val > rows), mid, hi)
-    return lo - 1
 
 
 def _zero_tiles(
@@ -138,7 +118,7 @@ def _zero_tiles(
         tl.store(ptr + (row_off[:, None] + col_off[None, :]), zero, mask=mask)
 
 
-def _offset_errors(
+def _scan_offsets(
     cu_q_ptr,
     cu_kv_ptr,
     pad_q_ptr,
@@ -146,23 +126,46 @@ def _offset_errors(
     nseq,
     rows_q,
     rows_kv,
+    row0,
+    is_kv,
+    window_left,
+    window_right,
+    EXACT: tl.constexpr,
+    TOP_LEFT: tl.constexpr,
+    BOTTOM_RIGHT: tl.constexpr,
+    HAS_WL: tl.constexpr,
+    HAS_WR: tl.constexpr,
     HAS_Q: tl.constexpr,
     PAD_Q_BIT: tl.constexpr,
     PAD_KV_BIT: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     OFF_BLOCK: tl.constexpr,
     OFF_CHUNKS: tl.constexpr,
 ):
-    """Error bits (:data:`te_gqa_fix.offset_errors.ARGUMENT_BITS`) of impossible offsets.
+    """One pass over the offsets: ``(error bits, kept)`` for rows ``row0 + [0, BLOCK_T)``.
 
-    Every program computes the same verdict from the same ``4 x (nseq + 1)`` offsets, so
-    every program agrees to zero nothing when it is non-zero. Checks: offsets negative or
-    decreasing, a buffer segment shorter than its valid length (both arguments named),
-    the last buffer offset
-    past the buffer (dQ only when there is a dQ). When no padded offsets were passed the
-    padded pointers are the valid ones and their bits name the valid argument.
+    The error bits (:data:`te_gqa_fix.offset_errors.ARGUMENT_BITS`) flag impossible
+    offsets. Every program computes the same verdict from the same ``4 x (nseq + 1)``
+    offsets, so every program agrees to zero nothing when it is non-zero. Checks:
+    offsets negative or decreasing, a buffer segment shorter than its valid length (both
+    arguments named), the last buffer offset past the buffer (dQ only when there is a
+    dQ). When no padded offsets were passed the padded pointers are the valid ones and
+    their bits name the valid argument.
+
+    ``kept`` (int32 per row, 0 or 1) says whether the row lies in a kept interval: a KV
+    row (``is_kv``) in ``[pad_kv[j] + lo_j, pad_kv[j] + hi_j)`` (``[lo, hi)`` the attended
+    key interval of sequence ``j``, the formulas of
+    :func:`te_gqa_fix.postpass._key_bounds`), a dQ row in ``[pad_q[j], pad_q[j] + lq_j)``
+    with ``lk_j > 0``. A ``[BLOCK_T, OFF_BLOCK]`` compare of the rows against every
+    sequence's interval, reduced over the sequences; the intervals lie inside their
+    padded segments, which are disjoint when the offsets pass the check, so "any" is
+    exact. The same loaded vectors serve both, so a program's only loads before its
+    stores are these (one round of them for ``nseq + 1 <= OFF_BLOCK``).
     """
     lanes = tl.arange(0, OFF_BLOCK)
+    rel = tl.arange(0, BLOCK_T)
     err = tl.zeros([OFF_BLOCK], dtype=tl.int32)
+    kept = tl.zeros([BLOCK_T], dtype=tl.int32)
     for c in range(OFF_CHUNKS):
         idx = c * OFF_BLOCK + lanes
         has_off = idx <= nseq
@@ -175,6 +178,7 @@ def _offset_errors(
         pq1 = tl.load(pad_q_ptr + idx + 1, mask=has_seg, other=0).to(tl.int64)
         pk0 = tl.load(pad_kv_ptr + idx, mask=has_off, other=0).to(tl.int64)
         pk1 = tl.load(pad_kv_ptr + idx + 1, mask=has_seg, other=0).to(tl.int64)
+        # ---- impossible offsets
         bad_cq = (has_off & (cq0 < 0)) | (has_seg & (cq1 < cq0))
         bad_ck = (has_off & (ck0 < 0)) | (has_seg & (ck1 < ck0))
         bad_pq = (has_off & (pq0 < 0)) | (has_seg & (pq1 < pq0))
@@ -185,16 +189,56 @@ def _offset_errors(
         err = err | tl.where(bad_cq, 1, 0) | tl.where(bad_ck, 2, 0)
         err = err | tl.where(bad_pq, PAD_Q_BIT, 0) | tl.where(bad_pk, PAD_KV_BIT, 0)
         err = err | tl.where(short_q, PAD_Q_BIT | 1, 0) | tl.where(short_k, PAD_KV_BIT | 2, 0)
-    # Past the buffer: only the last offset of each side needs looking at.
-    last = lanes == 0
-    end_kv = tl.load(pad_kv_ptr + nseq + lanes * 0, mask=last, other=0).to(tl.int64)
-    err = err | tl.where(last & (end_kv > rows_kv), PAD_KV_BIT, 0)
-    if HAS_Q:
-        end_q = tl.load(pad_q_ptr + nseq + lanes * 0, mask=last, other=0).to(tl.int64)
-        err = err | tl.where(last & (end_q > rows_q), PAD_Q_BIT, 0)
+        # Past the buffer: the last buffer offset of each side (the lane idx == nseq).
+        last = idx == nseq
+        err = err | tl.where(last & (pk0 > rows_kv), PAD_KV_BIT, 0)
+        if HAS_Q:
+            err = err | tl.where(last & (pq0 > rows_q), PAD_Q_BIT, 0)
+        # ---- kept intervals, one per sequence (lanes past the last sequence: empty)
+        zero = tl.zeros_like(cq0)
+        lq = tl.where(has_seg, cq1 - cq0, zero)
+        lk = tl.where(has_seg, ck1 - ck0, zero)
+        if EXACT:
+            # Union over the enabled diagonal alignments; an empty interval adds nothing.
+            lo = lk
+            hi = zero
+            if TOP_LEFT:
+                lo_a = zero
+                if HAS_WL:
+                    lo_a = tl.maximum(zero - window_left, zero)
+                hi_a = lk
+                if HAS_WR:
+                    hi_a = tl.minimum(lk, lq + window_right)
+                nonempty = hi_a > lo_a
+                lo = tl.minimum(lo, tl.where(nonempty, lo_a, lk))
+                hi = tl.maximum(hi, tl.where(nonempty, hi_a, zero))
+            if BOTTOM_RIGHT:
+                shift = lk - lq
+                lo_b = zero
+                if HAS_WL:
+                    lo_b = tl.maximum(shift - window_left, zero)
+                hi_b = lk
+                if HAS_WR:
+                    hi_b = tl.minimum(lk, lq + shift + window_right)
+                nonempty_b = hi_b > lo_b
+                lo = tl.minimum(lo, tl.where(nonempty_b, lo_b, lk))
+                hi = tl.maximum(hi, tl.where(nonempty_b, hi_b, zero))
+            hi = tl.where(lq > 0, hi, zero)
+        else:
+            lo = zero
+            hi = tl.where(lq > 0, lk, zero)
+        first = tl.where(is_kv, pk0 + lo, pq0)
+        end = tl.where(is_kv, pk0 + hi, pq0 + tl.where(lk > 0, lq, zero))
+        # Relative to this program's rows and clamped to [0, BLOCK_T]: row row0 + i is in
+        # [first, end) iff a <= i < b, so the 2-D compare is small int32 arithmetic.
+        a = tl.minimum(tl.maximum(first - row0, zero), zero + BLOCK_T).to(tl.int32)
+        b = tl.minimum(tl.maximum(end - row0, zero), zero + BLOCK_T).to(tl.int32)
+        hit = (rel[:, None] >= a[None, :]) & (rel[:, None] < b[None, :])
+        kept = tl.maximum(kept, tl.max(hit.to(tl.int32), axis=1))
     # OR over the lanes, one bit at a time (there is no OR reduction in old Tritons).
     bits = tl.max(err & 1, axis=0) | tl.max(err & 2, axis=0)
-    return bits | tl.max(err & 4, axis=0) | tl.max(err & 8, axis=0)
+    bits = bits | tl.max(err & 4, axis=0) | tl.max(err & 8, axis=0)
+    return bits, kept
 
 
 def _postpass_kernel(
@@ -232,7 +276,6 @@ def _postpass_kernel(
     BOTTOM_RIGHT: tl.constexpr,
     HAS_WL: tl.constexpr,
     HAS_WR: tl.constexpr,
-    N_ITER: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BD_Q: tl.constexpr,
@@ -250,64 +293,25 @@ def _postpass_kernel(
     pid = tl.program_id(0)
     split = tl.program_id(1)
     n_split = tl.num_programs(1)
+    # Program pid < nblk_kv owns dK/dV rows, the rest dQ rows.
+    is_kv = pid < nblk_kv
+    blk = tl.where(is_kv, pid, pid - nblk_kv)
+    row0 = blk.to(tl.int64) * BLOCK_T
+    n_rows = tl.where(is_kv, rows_kv, rows_q)
+    bad, kept = _scan_offsets_jit(
+        cu_q_ptr, cu_kv_ptr, pad_q_ptr, pad_kv_ptr, nseq, rows_q, rows_kv, row0, is_kv,
+        window_left, window_right, EXACT, TOP_LEFT, BOTTOM_RIGHT, HAS_WL, HAS_WR,
+        HAS_Q, PAD_Q_BIT, PAD_KV_BIT, BLOCK_T, OFF_BLOCK, OFF_CHUNKS,
+    )  # fmt: skip
     # Impossible offsets: every program zeroes nothing; the first records which argument
     # into the pinned host word err_ptr (te_gqa_fix.offset_errors surfaces it).
-    bad = _offset_errors_jit(
-        cu_q_ptr, cu_kv_ptr, pad_q_ptr, pad_kv_ptr, nseq, rows_q, rows_kv,
-        HAS_Q, PAD_Q_BIT, PAD_KV_BIT, OFF_BLOCK, OFF_CHUNKS,
-    )  # fmt: skip
     if (bad != 0) & (pid == 0) & (split == 0):
         tl.store(err_ptr, tl.load(err_ptr) | bad)
-    lanes = tl.arange(0, BLOCK_T).to(tl.int64)
-    ok = (tl.zeros_like(lanes) + bad) == 0  # per lane, so masks stay boolean vectors
-    if pid < nblk_kv:
-        # dK/dV rows: kept iff inside sequence b and lo_b <= pos < hi_b.
-        rows = pid.to(tl.int64) * BLOCK_T + lanes
-        in_buf = rows < rows_kv
-        seg = _seq_index_jit(pad_kv_ptr, rows, nseq, N_ITER)
-        inside = in_buf & (seg >= 0) & (seg < nseq)
-        b = tl.where(inside, seg, 0)
-        start = tl.load(pad_kv_ptr + b, mask=inside, other=0).to(tl.int64)
-        q0 = tl.load(cu_q_ptr + b, mask=inside, other=0).to(tl.int64)
-        q1 = tl.load(cu_q_ptr + b + 1, mask=inside, other=0).to(tl.int64)
-        k0 = tl.load(cu_kv_ptr + b, mask=inside, other=0).to(tl.int64)
-        k1 = tl.load(cu_kv_ptr + b + 1, mask=inside, other=0).to(tl.int64)
-        lq = q1 - q0
-        lk = k1 - k0
-        pos = rows - start
-        zero = tl.zeros_like(lk)
-        if EXACT:
-            # Union over the enabled diagonal alignments; an empty interval adds nothing.
-            lo = lk
-            hi = zero
-            if TOP_LEFT:
-                lo_a = zero
-                if HAS_WL:
-                    lo_a = tl.maximum(zero - window_left, zero)
-                hi_a = lk
-                if HAS_WR:
-                    hi_a = tl.minimum(lk, lq + window_right)
-                nonempty = hi_a > lo_a
-                lo = tl.minimum(lo, tl.where(nonempty, lo_a, lk))
-                hi = tl.maximum(hi, tl.where(nonempty, hi_a, zero))
-            if BOTTOM_RIGHT:
-                shift = lk - lq
-                lo_b = zero
-                if HAS_WL:
-                    lo_b = tl.maximum(shift - window_left, zero)
-                hi_b = lk
-                if HAS_WR:
-                    hi_b = tl.minimum(lk, lq + shift + window_right)
-                nonempty_b = hi_b > lo_b
-                lo = tl.minimum(lo, tl.where(nonempty_b, lo_b, lk))
-                hi = tl.maximum(hi, tl.where(nonempty_b, hi_b, zero))
-            hi = tl.where(lq > 0, hi, zero)
-        else:
-            lo = zero
-            hi = tl.where(lq > 0, lk, zero)
-        keep = inside & (pos >= lo) & (pos < hi)
-        dead = in_buf & (keep == 0) & ok
-        if tl.sum(dead.to(tl.int32), axis=0) > 0:
+    ok = (tl.zeros_like(kept) + bad) == 0  # per lane, so masks stay boolean vectors
+    rows = row0 + tl.arange(0, BLOCK_T).to(tl.int64)
+    dead = (rows < n_rows) & (kept == 0) & ok
+    if tl.sum(dead.to(tl.int32), axis=0) > 0:
+        if is_kv:
             _zero_tiles_jit(
                 dk_ptr, rows, dead, h_k, d_k, sk_t, sk_h, sk_d, split, n_split,
                 NT_K, BLOCK_T, BLOCK_C, BD_K,
@@ -316,22 +320,7 @@ def _postpass_kernel(
                 dv_ptr, rows, dead, h_v, d_v, sv_t, sv_h, sv_d, split, n_split,
                 NT_V, BLOCK_T, BLOCK_C, BD_V,
             )  # fmt: skip
-    else:
-        # dQ rows: kept iff inside sequence b, pos < lq_b and lk_b > 0.
-        rows = (pid - nblk_kv).to(tl.int64) * BLOCK_T + lanes
-        in_buf = rows < rows_q
-        seg = _seq_index_jit(pad_q_ptr, rows, nseq, N_ITER)
-        inside = in_buf & (seg >= 0) & (seg < nseq)
-        b = tl.where(inside, seg, 0)
-        start = tl.load(pad_q_ptr + b, mask=inside, other=0).to(tl.int64)
-        q0 = tl.load(cu_q_ptr + b, mask=inside, other=0).to(tl.int64)
-        q1 = tl.load(cu_q_ptr + b + 1, mask=inside, other=0).to(tl.int64)
-        k0 = tl.load(cu_kv_ptr + b, mask=inside, other=0).to(tl.int64)
-        k1 = tl.load(cu_kv_ptr + b + 1, mask=inside, other=0).to(tl.int64)
-        pos = rows - start
-        keep = inside & (pos < q1 - q0) & (k1 - k0 > 0)
-        dead = in_buf & (keep == 0) & ok
-        if tl.sum(dead.to(tl.int32), axis=0) > 0:
+        else:
             _zero_tiles_jit(
                 dq_ptr, rows, dead, h_q, d_q, sq_t, sq_h, sq_d, split, n_split,
                 NT_Q, BLOCK_T, BLOCK_C, BD_Q,
@@ -343,15 +332,14 @@ def _postpass_kernel(
 
 def _build() -> Any:
     """Import Triton and turn the functions above into (compiled or interpreted) kernels."""
-    global tl, _seq_index_jit, _zero_tiles_jit, _offset_errors_jit, _kernel
+    global tl, _zero_tiles_jit, _scan_offsets_jit, _kernel
     if _kernel is None:
         import triton
         import triton.language as triton_language
 
         tl = triton_language
-        _seq_index_jit = triton.jit(_seq_index)
         _zero_tiles_jit = triton.jit(_zero_tiles)
-        _offset_errors_jit = triton.jit(_offset_errors)
+        _scan_offsets_jit = triton.jit(_scan_offsets)
         _kernel = triton.jit(_postpass_kernel)
     return _kernel
 
@@ -552,7 +540,6 @@ def _make_launch_plan(
         BOTTOM_RIGHT=bool(span.bottom_right),
         HAS_WL=has_wl,
         HAS_WR=has_wr,
-        N_ITER=(nseq + 1).bit_length(),
         BLOCK_T=BLOCK_T,
         BLOCK_C=block_c,
         BD_Q=_next_pow2(int(q_t.shape[2])),
