@@ -229,7 +229,10 @@ def main() -> int:
     # Issue 12: more programs per SM and a cap on column tiles per program (wide dQ rows).
     grid += list(itertools.product((16, 32, 64), (128,), (8, 16, 32), (4,), (0, 4, 8)))
     if args.quick:
-        grid = list(itertools.product((16, 32, 64), (128,), (8, 16, 32), (4,), (0, 4, 8)))
+        # Kernel v2 has a one-round prologue, so larger row blocks (64, 128: fewer
+        # programs, more stores each) and wider tiles (256) are worth timing.
+        grid = list(itertools.product((16, 32, 64, 128), (128,), (8, 16), (4,), (0, 4, 8)))
+        grid += list(itertools.product((32, 64, 128), (256,), (8,), (4, 8), (4,)))
     bw = bp.bandwidth(10)
     grid.append((tp.BLOCK_T, tp.BLOCK_C, tp._PROGRAMS_PER_SM, tp._NUM_WARPS, tp._MAX_TILES))
     grid = sorted(set(grid))
