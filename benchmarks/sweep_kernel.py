@@ -191,6 +191,28 @@ def host_overhead(wl: bp.Workload, n: int = 2000) -> Dict[str, float]:
         out[name] = (time.perf_counter() - t0) / n * 1e6
         torch.cuda.synchronize()
         print(f"host {name:36s} {out[name]:7.1f} us/call", flush=True)
+
+    # The same two calls timed as bench_postpass.py times them (one call per sample,
+    # interleaved with the fake, a sync every `chunk` rounds), to tell the cost of the
+    # calls from the effect of the timing method (tight loop vs interleaved, GPU idle
+    # after each sync or kept busy).
+    def pinned(fixed_now: bool) -> Callable[[], None]:
+        def setup() -> None:
+            guard._fixed[index] = fixed_now
+
+        return setup
+
+    for chunk in (4, 1 << 30):
+        group = bp.time_host_group(
+            {"fake": lambda: fake(*pos), "wrapper": lambda: wrapped(*pos),
+             "passthrough": lambda: wrapped(*pos)},
+            {"fake": pinned(False), "wrapper": pinned(False), "passthrough": pinned(True)},
+            1000, chunk=chunk, warmup=10,
+        )  # fmt: skip
+        tag = "sync_every_4" if chunk == 4 else "no_sync"
+        for name in ("wrapper", "passthrough"):
+            out[f"interleaved_{tag}_{name}_adds"] = group[name]["overhead_us"]
+            print(f"host interleaved ({tag}) {name} adds {group[name]['overhead_us']:7.1f} us/call")
     if fixed is None:
         guard._fixed.pop(index, None)
     else:
