@@ -3,7 +3,10 @@
 
 Run on a CUDA machine: ``python benchmarks/sweep_kernel.py [--quick]``. For each
 workload of ``bench_postpass.py`` (same batches, random gradients) it times the kernel
-under each (rows per program, columns per tile, programs per SM, warps) and prints the
+under each (rows per program, columns per tile, programs per SM, warps, column tiles per
+program, how kept rows are found: ``compare_max`` is ``_COMPARE_MAX_OFFSETS``, 0 = a
+binary search per row, 32 = the interval compare up to 31 sequences; the workloads have
+8) and prints the
 median device time next to the PyTorch post-pass and the physical bound. Writes
 ``sweep.json`` into ``--out`` (default ``$OUT``, else ``./bench-out``).
 """
@@ -30,12 +33,24 @@ from te_gqa_fix import triton_postpass as tp
 from te_gqa_fix.masks import key_span
 from te_gqa_fix.postpass import zero_dead_rows
 
-_KEY = ("block_t", "block_c", "programs_per_sm", "warps", "max_tiles")
+_KEY = ("block_t", "block_c", "programs_per_sm", "warps", "max_tiles", "compare_max")
+
+
+def _settings() -> tuple:
+    """The module's launch constants, in _KEY order."""
+    return (tp.BLOCK_T, tp.BLOCK_C, tp._PROGRAMS_PER_SM, tp._NUM_WARPS, tp._MAX_TILES,
+            tp._COMPARE_MAX_OFFSETS)  # fmt: skip
+
+
+def _set(cfg: tuple) -> None:
+    (tp.BLOCK_T, tp.BLOCK_C, tp._PROGRAMS_PER_SM, tp._NUM_WARPS, tp._MAX_TILES,
+     tp._COMPARE_MAX_OFFSETS) = cfg  # fmt: skip
+    tp._launch_plans.clear()  # _COMPARE_MAX_OFFSETS is not in the plans' key
 
 
 def sweep_one(wl: bp.Workload, grid: List[tuple], bw: Dict[str, float]) -> List[Dict[str, Any]]:
     """Time the kernel under every configuration of ``grid`` on one workload."""
-    saved = (tp.BLOCK_T, tp.BLOCK_C, tp._PROGRAMS_PER_SM, tp._NUM_WARPS, tp._MAX_TILES)
+    saved = _settings()
     span = key_span(wl.mask)
     dead_kv, dead_q = bp.dead_rows(wl, span)
     nbytes = dead_kv * wl.h_kv * wl.d * 2 * 2 + dead_q * wl.h_q * wl.d * 2
@@ -61,21 +76,15 @@ def sweep_one(wl: bp.Workload, grid: List[tuple], bw: Dict[str, float]) -> List[
     rows: List[Dict[str, Any]] = []
     best = None
     try:
-        for bt, bc, pps, nw, mt in grid:
-            tp.BLOCK_T, tp.BLOCK_C, tp._PROGRAMS_PER_SM, tp._NUM_WARPS, tp._MAX_TILES = (
-                bt,
-                bc,
-                pps,
-                nw,
-                mt,
-            )
+        for cfg in grid:
+            _set(cfg)
             try:
                 t = bp.time_device(kernel, 100, 5)["median_us"]
             except Exception as exc:
                 t = None
-                print(f"{wl.name} {bt} {bc} {pps} {nw} {mt}: {exc!r}")
-            row = dict(workload=wl.name, block_t=bt, block_c=bc, programs_per_sm=pps, warps=nw)
-            row.update(max_tiles=mt, us=t, torch_us=t_torch, bound_us=bound, mb=nbytes / 1e6)
+                print(f"{wl.name} {cfg}: {exc!r}")
+            row: Dict[str, Any] = dict(workload=wl.name, **dict(zip(_KEY, cfg)))
+            row.update(us=t, torch_us=t_torch, bound_us=bound, mb=nbytes / 1e6)
             row["goal_met"] = t is not None and (
                 t <= bench_report.BOUND_FACTOR * bound
                 if wl.rows >= bench_report.LARGE_TOKENS
@@ -85,9 +94,8 @@ def sweep_one(wl: bp.Workload, grid: List[tuple], bw: Dict[str, float]) -> List[
             if t is not None and (best is None or t < best["us"]):
                 best = row
     finally:
-        tp.BLOCK_T, tp.BLOCK_C, tp._PROGRAMS_PER_SM, tp._NUM_WARPS, tp._MAX_TILES = saved
-    key = ("block_t", "block_c", "programs_per_sm", "warps", "max_tiles")
-    default = [r["us"] for r in rows if tuple(r[k] for k in key) == saved]
+        _set(saved)
+    default = [r["us"] for r in rows if tuple(r[k] for k in _KEY) == saved]
     print(
         f"{wl.name}: bound {bound:.1f} us ({nbytes / 1e6:.1f} MB), torch {t_torch:.1f} us, "
         f"default {default[0] if default else '-'} us, best {best}",
@@ -246,17 +254,24 @@ def main() -> int:
     names = ["llama8b-8k", "llama8b-32k", "llama8b-128k", "mqa-8k", "mqa-32k"]
     grid = [
         (bt, bc, pps, nw, 0)
-        for bt, bc, pps, nw in itertools.product((16, 32, 64), (64, 128, 256), (2, 4, 8), (4, 8))
+        for bt, bc, pps, nw in itertools.product(
+            (16, 32, 64, 128), (64, 128, 256), (2, 4, 8), (4, 8)
+        )
     ]
     # Issue 12: more programs per SM and a cap on column tiles per program (wide dQ rows).
-    grid += list(itertools.product((16, 32, 64), (128,), (8, 16, 32), (4,), (0, 4, 8)))
+    grid += list(itertools.product((16, 32, 64, 128), (128,), (8, 16, 32), (4,), (0, 4, 8)))
     if args.quick:
-        # Kernel v2 has a one-round prologue, so larger row blocks (64, 128: fewer
-        # programs, more stores each) and wider tiles (256) are worth timing.
-        grid = list(itertools.product((16, 32, 64, 128), (128,), (8, 16), (4,), (0, 4, 8)))
-        grid += list(itertools.product((32, 64, 128), (256,), (8,), (4, 8), (4,)))
+        # Larger row blocks (64, 128: fewer programs, more stores each) and wider tiles
+        # (256) next to the defaults; BLOCK_T 16 and 8 warps were never best on the H200.
+        grid = list(itertools.product((32, 64, 128), (128,), (8, 16), (4,), (0, 4, 8)))
+        grid += list(itertools.product((32, 64, 128), (256,), (8,), (4,), (4,)))
+        grid += [(16, 128, 8, 4, 0), (32, 256, 8, 8, 4)]
+    # Both ways of finding kept rows (these workloads have 8 sequences): 46 quick
+    # configurations, about a minute on an H200 for the five workloads.
+    grid = [(*cfg, cmp) for cfg in grid for cmp in (0, 32)]
+    started = time.perf_counter()
     bw = bp.bandwidth(10)
-    grid.append((tp.BLOCK_T, tp.BLOCK_C, tp._PROGRAMS_PER_SM, tp._NUM_WARPS, tp._MAX_TILES))
+    grid.append(_settings())
     grid = sorted(set(grid))
     rows: List[Dict[str, Any]] = []
     for name in names:
@@ -278,6 +293,8 @@ def main() -> int:
         print(f"meets every goal: {dict(zip(_KEY, cfg))} (worst {worst:.2f}x bound)")
     if not good:
         print("no configuration meets the device goal on every workload")
+    print(f"{len(grid)} configurations x {len(names)} workloads in "
+          f"{time.perf_counter() - started:.0f} s")  # fmt: skip
     return 0
 
 

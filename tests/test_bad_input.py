@@ -446,7 +446,11 @@ def _malformed(draw: Any) -> Dict[str, Any]:
 
 
 def _worker_kernel_offsets() -> None:
-    """The kernel's verdict equals the PyTorch path's, bit for bit; bad = nothing stored."""
+    """The kernel's verdict equals the PyTorch path's, bit for bit; bad = nothing stored.
+
+    Run with kept rows found by the binary search (``kernel_offsets``) and, offsets
+    scanned 2 at a time, by the interval compare (``kernel_offsets_chunked``).
+    """
     from te_gqa_fix.masks import key_span
 
     cpu = torch.device("cpu")
@@ -551,15 +555,22 @@ def _worker_public_triton() -> None:
 
 
 def _worker_kernel_offsets_chunked() -> None:
-    """The same with the offsets scanned 2 at a time: errors in every chunk position."""
+    """The same with the offsets scanned 2 at a time (errors in every chunk position),
+    kept rows found by the interval compare."""
     offset_errors._OFF_BLOCK_MAX = 2
+    triton_postpass._COMPARE_MAX_OFFSETS = 1 << 30
     _worker_kernel_offsets()
     chunks = {p.meta["OFF_CHUNKS"] for p in triton_postpass._launch_plans.values()}
     assert max(chunks) == 3, chunks
 
 
+def _worker_kernel_offsets_search() -> None:
+    triton_postpass._COMPARE_MAX_OFFSETS = 0
+    _worker_kernel_offsets()
+
+
 WORKER_CHECKS = {
-    "kernel_offsets": _worker_kernel_offsets,
+    "kernel_offsets": _worker_kernel_offsets_search,
     "kernel_offsets_chunked": _worker_kernel_offsets_chunked,
     "public_triton": _worker_public_triton,
 }

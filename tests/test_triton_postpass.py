@@ -304,7 +304,26 @@ def fixed_grid():
             yield case
 
 
+def _use_path(path: str) -> None:
+    """Make the kernel find kept rows by ``path``: "compare" (every sequence's interval,
+    any batch size) or "search" (a binary search per row), whatever the default."""
+    triton_postpass._COMPARE_MAX_OFFSETS = {"compare": 1 << 30, "search": 0}[path]
+    triton_postpass._launch_plans.clear()  # plans hold the path (SEARCH); not in their key
+
+
+def _paths_used() -> set:
+    return {"search" if p.meta["SEARCH"] else "compare"
+            for p in triton_postpass._launch_plans.values()}  # fmt: skip
+
+
 def _check_fixed() -> None:
+    for path in ("compare", "search"):
+        _use_path(path)
+        _check_fixed_cases()
+        assert _paths_used() == {path}
+
+
+def _check_fixed_cases() -> None:
     for name, case in FIXED_CASES.items():
         run_case(case, "cpu", _launch_checked)
         print(f"fixed case {name}: ok")
@@ -360,25 +379,28 @@ MANY = (
 
 
 def _check_many() -> None:
-    """MANY x FIXED_MASKS, then impossible offsets in the second chunk."""
+    """MANY x FIXED_MASKS, then impossible offsets in the second chunk; both paths."""
     saved = triton_postpass.BLOCK_T, triton_postpass.BLOCK_C
     try:
-        for nseq, (block_t, block_c), changes in MANY:
-            triton_postpass.BLOCK_T, triton_postpass.BLOCK_C = block_t, block_c
-            for mask, window, bottom_right in FIXED_MASKS:
-                case = many_case(nseq, nseq, **changes, mask=mask, window=window)
-                case["bottom_right"] = bottom_right
-                run_case(case, "cpu", _launch_checked)
-        chunks = {p.meta["OFF_CHUNKS"] for p in triton_postpass._launch_plans.values()}
-        assert chunks == {1, 2}, chunks
-        triton_postpass.BLOCK_T = 128  # fewer programs: quicker under the interpreter
-        _check_bad_chunks()
+        for path in ("compare", "search"):
+            _use_path(path)
+            for nseq, (block_t, block_c), changes in MANY:
+                triton_postpass.BLOCK_T, triton_postpass.BLOCK_C = block_t, block_c
+                for mask, window, bottom_right in FIXED_MASKS:
+                    case = many_case(nseq, nseq, **changes, mask=mask, window=window)
+                    case["bottom_right"] = bottom_right
+                    run_case(case, "cpu", _launch_checked)
+            chunks = {p.meta["OFF_CHUNKS"] for p in triton_postpass._launch_plans.values()}
+            assert chunks == {1, 2} and _paths_used() == {path}, (chunks, _paths_used())
+            triton_postpass.BLOCK_T = 128  # fewer programs: quicker under the interpreter
+            _check_bad_chunks()
     finally:
         triton_postpass.BLOCK_T, triton_postpass.BLOCK_C = saved
 
 
-def _check_bad_chunks() -> None:
+def _check_bad_chunks(device: str = "cpu", launch: Any = None) -> None:
     """Impossible offsets only in the second chunk: bits as the PyTorch path's, no store."""
+    launch = launch or _launch_checked
     nseq = 300
     case = many_case(nseq, 7)
     cu_q, pad_q = _offsets(case["lq"], case["gaps_q"], case["lead"])
@@ -412,20 +434,25 @@ def _check_bad_chunks() -> None:
         (cu_q, cu_kv, None, None, cu_q[-1], cu_kv[-1] - 1, True),
         (cu_q, decrease(cu_kv, 270), None, None, rows_q, rows_kv, False),
     ]
-    cpu = torch.device("cpu")
     span = key_span("padding_causal_bottom_right", (4, 0))
     for i, (cq, ck, pq, pk, rq, rk, with_q) in enumerate(bad):
         for dtype in (torch.int32, torch.int64)[i % 2 :]:
             offset_errors._reset()
-            offs = [None if x is None else torch.tensor(x, dtype=dtype) for x in (cq, ck, pq, pk)]
+            offs = [
+                None if x is None else torch.tensor(x, dtype=dtype, device=device)
+                for x in (cq, ck, pq, pk)
+            ]
             gen = torch.Generator().manual_seed(i)
             bases = [torch.empty(rq + GUARD_ROWS, 2, 3), torch.empty(rk + GUARD_ROWS, 2, 1, 3)]
             for b in bases:
                 _fill(b, gen)
+            bases = [b.to(device) for b in bases]
             before = _bytes(bases)
             dq = bases[0][:rq] if with_q else None
             dk, dv = bases[1][:rk, 0], bases[1][:rk, 1]
-            _launch_checked(dq, dk, dv, *offs, span)
+            launch(dq, dk, dv, *offs, span)
+            if device != "cpu":
+                torch.cuda.synchronize()
             i64 = [None if x is None else x.to(torch.int64) for x in offs]
             want = int(
                 _offset_error_bits(
@@ -434,7 +461,7 @@ def _check_bad_chunks() -> None:
                     rq if with_q else None, rk,
                 )
             )  # fmt: skip
-            got = int(offset_errors.kernel_flag(cpu)[0])
+            got = int(offset_errors.kernel_flag(dk.device)[0])
             assert got == want, (i, dtype, got, want)
             if i == 4:
                 assert want == 0, "a short dQ buffer is no error when there is no dQ"
@@ -443,13 +470,16 @@ def _check_bad_chunks() -> None:
             after = _bytes(bases)
             assert all(torch.equal(a, b) for a, b in zip(after, before)), (i, "a store")
             with pytest.raises(OffsetsError):
-                offset_errors.raise_pending(cpu)
+                offset_errors.raise_pending(dk.device)
     offset_errors._reset()
 
 
 def _check_random_chunked() -> None:
-    """The random batches with offsets scanned 2 at a time: up to 3 chunks per program."""
+    """The random batches with offsets scanned 2 at a time (up to 3 chunks per program),
+    kept rows by the interval compare: chunks that meet a program's rows and chunks that
+    do not."""
     offset_errors._OFF_BLOCK_MAX = 2
+    _use_path("compare")
     check = settings(
         max_examples=INTERPRETER_EXAMPLES // 2,
         deadline=None,
@@ -458,28 +488,30 @@ def _check_random_chunked() -> None:
     )(given(case=batches())(_random_body))
     check()
     chunks = {p.meta["OFF_CHUNKS"] for p in triton_postpass._launch_plans.values()}
-    assert max(chunks) == 3, chunks
+    assert max(chunks) == 3 and _paths_used() == {"compare"}, (chunks, _paths_used())
+
+
+def _check_random_path(path: str) -> None:
+    """The random batches with kept rows found by ``path``."""
+    _use_path(path)
+    settings(
+        max_examples=INTERPRETER_EXAMPLES,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )(given(case=batches())(_random_body))()
+    assert _paths_used() == {path}, _paths_used()
 
 
 def _random_body(case: Dict[str, Any]) -> None:
     run_case(case, "cpu", _launch_checked)
 
 
-@settings(
-    max_examples=INTERPRETER_EXAMPLES,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-@given(case=batches())
-def _check_random(case: Dict[str, Any]) -> None:
-    run_case(case, "cpu", _launch_checked)
-
-
 WORKER_CHECKS = {
     "fixed": _check_fixed,
     "many": _check_many,
-    "random": _check_random,
+    "random_compare": lambda: _check_random_path("compare"),
+    "random_search": lambda: _check_random_path("search"),
     "random_chunked": _check_random_chunked,
 }
 
@@ -601,23 +633,48 @@ def _need_cuda_triton() -> None:
     assert triton_postpass.available()
 
 
+@pytest.fixture(params=["compare", "search"])
+def kept_path(request: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways the kernel finds kept rows, whatever the default (restored afterwards)."""
+    value = {"compare": 1 << 30, "search": 0}[request.param]
+    monkeypatch.setattr(triton_postpass, "_COMPARE_MAX_OFFSETS", value)
+    monkeypatch.setattr(triton_postpass, "_launch_plans", {})
+    return request.param
+
+
 @pytest.mark.gpu
 @settings(
     max_examples=150,
     deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.function_scoped_fixture,  # kept_path holds for every example
+    ],
 )
 @given(case=batches())
-def test_gpu_kernel_matches_torch_postpass(case: Dict[str, Any]) -> None:
+def test_gpu_kernel_matches_torch_postpass(kept_path: str, case: Dict[str, Any]) -> None:
     _need_cuda_triton()
     run_case(case, "cuda", _launch_public)
 
 
 @pytest.mark.gpu
-def test_gpu_fixed_cases() -> None:
+def test_gpu_fixed_cases(kept_path: str) -> None:
     _need_cuda_triton()
     for case in (*FIXED_CASES.values(), *fixed_grid()):
         run_case(case, "cuda", _launch_public)
+
+
+@pytest.mark.gpu
+def test_gpu_many_sequences_and_bad_later_chunk(kept_path: str) -> None:
+    """More offsets than one chunk holds, on the compiled kernel (see _check_many)."""
+    _need_cuda_triton()
+    for nseq, _, changes in MANY:
+        for mask, window, bottom_right in FIXED_MASKS:
+            case = many_case(nseq, nseq, **changes, mask=mask, window=window)
+            case["bottom_right"] = bottom_right
+            run_case(case, "cuda", _launch_public)
+    _check_bad_chunks("cuda", _launch_public)
 
 
 @pytest.mark.gpu

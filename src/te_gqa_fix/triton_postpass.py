@@ -6,12 +6,17 @@ Why a kernel: the PyTorch post-pass (:func:`te_gqa_fix.postpass.dead_row_masks` 
 the ``4 x (batch + 1)`` offsets and write zeros into the rows whose true gradient is 0.
 
 How: one launch. Program ``(r, s)`` owns a block of ``BLOCK_T`` rows of either dK/dV
-(``r < nblk_kv``) or dQ (the rest). It finds each row's sequence by a binary search over
-the padded offsets, computes that sequence's ``lq``, ``lk`` and attended key interval
-``[lo, hi)`` from the valid offsets and the :class:`~te_gqa_fix.masks.KeySpan` (the same
-formulas as :func:`te_gqa_fix.postpass._key_bounds`), and returns at once when none of
-its rows is dead. Otherwise it stores zeros (masked stores: live rows are never written)
-into its share ``s`` of the column tiles of dK and dV (same program) or dQ. Packed
+(``r < nblk_kv``) or dQ (the rest). One loop over the offsets (in chunks of up to 256)
+checks them and, for a batch of few sequences (``nseq + 1 <= _COMPARE_MAX_OFFSETS``),
+also finds the kept rows from the same loaded vectors: every sequence's kept interval
+(KV: ``pad_kv[j] + [lo_j, hi_j)``, the attended key interval from the valid offsets and
+the :class:`~te_gqa_fix.masks.KeySpan`, the formulas of
+:func:`te_gqa_fix.postpass._key_bounds`; dQ: ``pad_q[j] + [0, lq_j)`` when ``lk_j > 0``)
+compared with the program's rows. For more sequences each row finds its sequence by a
+binary search over the padded offsets instead, then that sequence's offsets. A program
+none of whose rows is dead returns at once; otherwise it stores zeros (masked stores:
+live rows are never written) into its share ``s`` of the column tiles of dK and dV
+(same program) or dQ. Packed
 layouts (``[T, 2, H, D]``, ``[T, H, 2, D]``, ``[T, 3, H, D]``...) are addressed through
 their row, head and dim strides, never copied. Offsets are int64 in-kernel, so buffers
 beyond 2^31 elements are fine.
@@ -48,6 +53,9 @@ __all__ = ["Launches", "available", "zero_dead_rows_triton"]
 # Filled in by _build() on first use: the kernel bodies below refer to these module
 # globals, which Triton resolves when it compiles (or interprets) them.
 tl: Any = None
+_key_bounds_jit: Any = None
+_seq_index_jit: Any = None
+_search_kept_jit: Any = None
 _zero_tiles_jit: Any = None
 _scan_offsets_jit: Any = None
 
@@ -60,8 +68,8 @@ _HANDLED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _OFFSET_DTYPES = (torch.int32, torch.int64)
 
 #: Rows per program. Small enough that most programs of a large buffer exit after
-#: the search (no dead row), large enough to keep the grid of a 128K-token buffer
-#: within one or two waves. BLOCK_T 32 with _MAX_TILES 8 was the best of the 28
+#: finding their kept rows (no dead row), large enough to keep the grid of a 128K-token
+#: buffer within one or two waves. BLOCK_T 32 with _MAX_TILES 8 was the best of the 28
 #: configurations of ``benchmarks/sweep_kernel.py --quick`` on an H200 (2026-11-30, with
 #: the offsets check of issue 13 in the kernel): at every workload no slower than the
 #: earlier 16/0 (llama-8k 11.6 vs 12.2 us, 32K 1.27x vs 1.50x the write bound, MQA-32K
@@ -76,10 +84,126 @@ _NUM_WARPS = 4
 #: wide dQ rows of MQA/GQA over more programs when the row blocks alone fill the grid
 #: (more stores in flight per SM); benchmarks/sweep_kernel.py measures it.
 _MAX_TILES = 8
+#: Up to this many offsets (nseq + 1) a program finds its kept rows by comparing them with
+#: every sequence's interval (``SEARCH`` False: no loads beyond the offset check's); beyond,
+#: by a binary search per row. The compare costs BLOCK_T x nseq per program, the search
+#: N_ITER cached loads; on the H200 (2026-11-30) the compare was a little faster at 17
+#: and 32 offsets, 28% slower at 65 (32K tokens, llama heads) and 60% at 256; 0 = always
+#: search. Not in the launch plans' key: clear ``_launch_plans`` after changing it.
+_COMPARE_MAX_OFFSETS = 32
 
 
 # --------------------------------------------------------------------------- kernel
 # Plain functions, made Triton functions by _build(). Only long-standing ``tl`` APIs.
+
+
+def _key_bounds(
+    lq,
+    lk,
+    window_left,
+    window_right,
+    EXACT: tl.constexpr,
+    TOP_LEFT: tl.constexpr,
+    BOTTOM_RIGHT: tl.constexpr,
+    HAS_WL: tl.constexpr,
+    HAS_WR: tl.constexpr,
+):
+    """Attended key interval ``[lo, hi)`` per element of ``lq``/``lk`` (int64 vectors).
+
+    The formulas of :func:`te_gqa_fix.postpass._key_bounds`; ``hi = 0`` when ``lq == 0``.
+    """
+    zero = tl.zeros_like(lk)
+    if EXACT:
+        # Union over the enabled diagonal alignments; an empty interval adds nothing.
+        lo = lk
+        hi = zero
+        if TOP_LEFT:
+            lo_a = zero
+            if HAS_WL:
+                lo_a = tl.maximum(zero - window_left, zero)
+            hi_a = lk
+            if HAS_WR:
+                hi_a = tl.minimum(lk, lq + window_right)
+            nonempty = hi_a > lo_a
+            lo = tl.minimum(lo, tl.where(nonempty, lo_a, lk))
+            hi = tl.maximum(hi, tl.where(nonempty, hi_a, zero))
+        if BOTTOM_RIGHT:
+            shift = lk - lq
+            lo_b = zero
+            if HAS_WL:
+                lo_b = tl.maximum(shift - window_left, zero)
+            hi_b = lk
+            if HAS_WR:
+                hi_b = tl.minimum(lk, lq + shift + window_right)
+            nonempty_b = hi_b > lo_b
+            lo = tl.minimum(lo, tl.where(nonempty_b, lo_b, lk))
+            hi = tl.maximum(hi, tl.where(nonempty_b, hi_b, zero))
+        hi = tl.where(lq > 0, hi, zero)
+    else:
+        lo = zero
+        hi = tl.where(lq > 0, lk, zero)
+    return lo, hi
+
+
+def _seq_index(pad_ptr, rows, nseq, N_ITER: tl.constexpr):
+    """Per row: index ``b`` of the last offset ``pad[b] <= row`` (``-1`` if none).
+
+    Upper-bound binary search over the ``nseq + 1`` offsets; ``N_ITER`` iterations
+    (``(nseq + 1).bit_length()``) are always enough. Loop bounds are constexpr because
+    Triton's interpreter cannot iterate over a runtime scalar.
+    """
+    lo = tl.zeros_like(rows)
+    hi = tl.zeros_like(rows) + (nseq + 1)
+    for _ in range(N_ITER):
+        active = lo < hi
+        mid = (lo + hi) >> 1
+        val = tl.load(pad_ptr + mid, mask=active, other=0).to(tl.int64)
+        right = active & (val <= rows)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(active & (val > rows), mid, hi)
+    return lo - 1
+
+
+def _search_kept(
+    pad_ptr,
+    cu_q_ptr,
+    cu_kv_ptr,
+    rows,
+    in_buf,
+    nseq,
+    window_left,
+    window_right,
+    EXACT: tl.constexpr,
+    TOP_LEFT: tl.constexpr,
+    BOTTOM_RIGHT: tl.constexpr,
+    HAS_WL: tl.constexpr,
+    HAS_WR: tl.constexpr,
+    KV: tl.constexpr,
+    N_ITER: tl.constexpr,
+):
+    """Per row: kept (the ``SEARCH`` path). Its sequence ``j`` by a binary search over the
+    buffer offsets ``pad_ptr``, then ``j``'s offsets: a KV row (``KV``) is kept iff its
+    position is in ``[lo_j, hi_j)``, a dQ row iff its position is below ``lq_j`` and
+    ``lk_j > 0``."""
+    seg = _seq_index_jit(pad_ptr, rows, nseq, N_ITER)
+    inside = in_buf & (seg >= 0) & (seg < nseq)
+    j = tl.where(inside, seg, 0)
+    start = tl.load(pad_ptr + j, mask=inside, other=0).to(tl.int64)
+    q0 = tl.load(cu_q_ptr + j, mask=inside, other=0).to(tl.int64)
+    q1 = tl.load(cu_q_ptr + j + 1, mask=inside, other=0).to(tl.int64)
+    k0 = tl.load(cu_kv_ptr + j, mask=inside, other=0).to(tl.int64)
+    k1 = tl.load(cu_kv_ptr + j + 1, mask=inside, other=0).to(tl.int64)
+    lq = q1 - q0
+    lk = k1 - k0
+    pos = rows - start
+    if KV:
+        lo, hi = _key_bounds_jit(
+            lq, lk, window_left, window_right, EXACT, TOP_LEFT, BOTTOM_RIGHT, HAS_WL, HAS_WR
+        )
+        kept = inside & (pos >= lo) & (pos < hi)
+    else:
+        kept = inside & (pos < lq) & (lk > 0)
+    return kept
 
 
 def _zero_tiles(
@@ -135,6 +259,7 @@ def _scan_offsets(
     BOTTOM_RIGHT: tl.constexpr,
     HAS_WL: tl.constexpr,
     HAS_WR: tl.constexpr,
+    SEARCH: tl.constexpr,
     HAS_Q: tl.constexpr,
     PAD_Q_BIT: tl.constexpr,
     PAD_KV_BIT: tl.constexpr,
@@ -142,7 +267,7 @@ def _scan_offsets(
     OFF_BLOCK: tl.constexpr,
     OFF_CHUNKS: tl.constexpr,
 ):
-    """One pass over the offsets: ``(error bits, kept)`` for rows ``row0 + [0, BLOCK_T)``.
+    """One pass over the offsets: ``(error bits, reach)`` for rows ``row0 + [0, BLOCK_T)``.
 
     The error bits (:data:`te_gqa_fix.offset_errors.ARGUMENT_BITS`) flag impossible
     offsets. Every program computes the same verdict from the same ``4 x (nseq + 1)``
@@ -152,20 +277,20 @@ def _scan_offsets(
     dQ). When no padded offsets were passed the padded pointers are the valid ones and
     their bits name the valid argument.
 
-    ``kept`` (int32 per row, 0 or 1) says whether the row lies in a kept interval: a KV
-    row (``is_kv``) in ``[pad_kv[j] + lo_j, pad_kv[j] + hi_j)`` (``[lo, hi)`` the attended
-    key interval of sequence ``j``, the formulas of
-    :func:`te_gqa_fix.postpass._key_bounds`), a dQ row in ``[pad_q[j], pad_q[j] + lq_j)``
-    with ``lk_j > 0``. A ``[BLOCK_T, OFF_BLOCK]`` compare of the rows against every
-    sequence's interval, reduced over the sequences; the intervals lie inside their
-    padded segments, which are disjoint when the offsets pass the check, so "any" is
-    exact. The same loaded vectors serve both, so a program's only loads before its
-    stores are these (one round of them for ``nseq + 1 <= OFF_BLOCK``).
+    ``reach`` (unless ``SEARCH``): row ``row0 + i`` lies in a kept interval iff
+    ``reach[i] > i``. The kept intervals are, per sequence ``j``, for a KV row (``is_kv``)
+    ``[pad_kv[j] + lo_j, pad_kv[j] + hi_j)`` (``[lo, hi)`` from :func:`_key_bounds`), for
+    a dQ row ``[pad_q[j], pad_q[j] + lq_j)`` when ``lk_j > 0``. Clamped to the program's
+    rows they are ``[a_j, b_j)`` within ``[0, BLOCK_T]``, and row ``i`` is in one iff the
+    largest ``b_j`` over the ``j`` with ``a_j <= i`` exceeds ``i``: a ``[BLOCK_T,
+    OFF_BLOCK]`` compare-select-max, skipped for a chunk (of several) none of whose
+    intervals meets the program's rows. The same loaded vectors serve both, so a program's only loads
+    before its stores are these (one round of them for ``nseq + 1 <= OFF_BLOCK``).
     """
     lanes = tl.arange(0, OFF_BLOCK)
     rel = tl.arange(0, BLOCK_T)
     err = tl.zeros([OFF_BLOCK], dtype=tl.int32)
-    kept = tl.zeros([BLOCK_T], dtype=tl.int32)
+    reach = tl.zeros([BLOCK_T], dtype=tl.int32)
     for c in range(OFF_CHUNKS):
         idx = c * OFF_BLOCK + lanes
         has_off = idx <= nseq
@@ -194,51 +319,29 @@ def _scan_offsets(
         err = err | tl.where(last & (pk0 > rows_kv), PAD_KV_BIT, 0)
         if HAS_Q:
             err = err | tl.where(last & (pq0 > rows_q), PAD_Q_BIT, 0)
-        # ---- kept intervals, one per sequence (lanes past the last sequence: empty)
-        zero = tl.zeros_like(cq0)
-        lq = tl.where(has_seg, cq1 - cq0, zero)
-        lk = tl.where(has_seg, ck1 - ck0, zero)
-        if EXACT:
-            # Union over the enabled diagonal alignments; an empty interval adds nothing.
-            lo = lk
-            hi = zero
-            if TOP_LEFT:
-                lo_a = zero
-                if HAS_WL:
-                    lo_a = tl.maximum(zero - window_left, zero)
-                hi_a = lk
-                if HAS_WR:
-                    hi_a = tl.minimum(lk, lq + window_right)
-                nonempty = hi_a > lo_a
-                lo = tl.minimum(lo, tl.where(nonempty, lo_a, lk))
-                hi = tl.maximum(hi, tl.where(nonempty, hi_a, zero))
-            if BOTTOM_RIGHT:
-                shift = lk - lq
-                lo_b = zero
-                if HAS_WL:
-                    lo_b = tl.maximum(shift - window_left, zero)
-                hi_b = lk
-                if HAS_WR:
-                    hi_b = tl.minimum(lk, lq + shift + window_right)
-                nonempty_b = hi_b > lo_b
-                lo = tl.minimum(lo, tl.where(nonempty_b, lo_b, lk))
-                hi = tl.maximum(hi, tl.where(nonempty_b, hi_b, zero))
-            hi = tl.where(lq > 0, hi, zero)
-        else:
-            lo = zero
-            hi = tl.where(lq > 0, lk, zero)
-        first = tl.where(is_kv, pk0 + lo, pq0)
-        end = tl.where(is_kv, pk0 + hi, pq0 + tl.where(lk > 0, lq, zero))
-        # Relative to this program's rows and clamped to [0, BLOCK_T]: row row0 + i is in
-        # [first, end) iff a <= i < b, so the 2-D compare is small int32 arithmetic.
-        a = tl.minimum(tl.maximum(first - row0, zero), zero + BLOCK_T).to(tl.int32)
-        b = tl.minimum(tl.maximum(end - row0, zero), zero + BLOCK_T).to(tl.int32)
-        hit = (rel[:, None] >= a[None, :]) & (rel[:, None] < b[None, :])
-        kept = tl.maximum(kept, tl.max(hit.to(tl.int32), axis=1))
+        if not SEARCH:
+            # ---- kept intervals, one per sequence (lanes past the last one: empty)
+            zero = tl.zeros_like(cq0)
+            lq = tl.where(has_seg, cq1 - cq0, zero)
+            lk = tl.where(has_seg, ck1 - ck0, zero)
+            lo, hi = _key_bounds_jit(
+                lq, lk, window_left, window_right, EXACT, TOP_LEFT, BOTTOM_RIGHT, HAS_WL, HAS_WR
+            )
+            first = tl.where(is_kv, pk0 + lo, pq0)
+            end = tl.where(is_kv, pk0 + hi, pq0 + tl.where(lk > 0, lq, zero))
+            # Relative to this program's rows, clamped to [0, BLOCK_T]: small int32 values.
+            a = tl.minimum(tl.maximum(first - row0, zero), zero + BLOCK_T).to(tl.int32)
+            b = tl.minimum(tl.maximum(end - row0, zero), zero + BLOCK_T).to(tl.int32)
+            if OFF_CHUNKS == 1:
+                ends = tl.where(a[None, :] <= rel[:, None], b[None, :], 0)
+                reach = tl.maximum(reach, tl.max(ends, axis=1))
+            elif tl.max(b - a, axis=0) > 0:  # some interval of this chunk meets our rows
+                ends = tl.where(a[None, :] <= rel[:, None], b[None, :], 0)
+                reach = tl.maximum(reach, tl.max(ends, axis=1))
     # OR over the lanes, one bit at a time (there is no OR reduction in old Tritons).
     bits = tl.max(err & 1, axis=0) | tl.max(err & 2, axis=0)
     bits = bits | tl.max(err & 4, axis=0) | tl.max(err & 8, axis=0)
-    return bits, kept
+    return bits, reach
 
 
 def _postpass_kernel(
@@ -276,6 +379,8 @@ def _postpass_kernel(
     BOTTOM_RIGHT: tl.constexpr,
     HAS_WL: tl.constexpr,
     HAS_WR: tl.constexpr,
+    SEARCH: tl.constexpr,
+    N_ITER: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BD_Q: tl.constexpr,
@@ -298,18 +403,35 @@ def _postpass_kernel(
     blk = tl.where(is_kv, pid, pid - nblk_kv)
     row0 = blk.to(tl.int64) * BLOCK_T
     n_rows = tl.where(is_kv, rows_kv, rows_q)
-    bad, kept = _scan_offsets_jit(
+    bad, reach = _scan_offsets_jit(
         cu_q_ptr, cu_kv_ptr, pad_q_ptr, pad_kv_ptr, nseq, rows_q, rows_kv, row0, is_kv,
-        window_left, window_right, EXACT, TOP_LEFT, BOTTOM_RIGHT, HAS_WL, HAS_WR,
+        window_left, window_right, EXACT, TOP_LEFT, BOTTOM_RIGHT, HAS_WL, HAS_WR, SEARCH,
         HAS_Q, PAD_Q_BIT, PAD_KV_BIT, BLOCK_T, OFF_BLOCK, OFF_CHUNKS,
     )  # fmt: skip
     # Impossible offsets: every program zeroes nothing; the first records which argument
     # into the pinned host word err_ptr (te_gqa_fix.offset_errors surfaces it).
     if (bad != 0) & (pid == 0) & (split == 0):
         tl.store(err_ptr, tl.load(err_ptr) | bad)
-    ok = (tl.zeros_like(kept) + bad) == 0  # per lane, so masks stay boolean vectors
-    rows = row0 + tl.arange(0, BLOCK_T).to(tl.int64)
-    dead = (rows < n_rows) & (kept == 0) & ok
+    rel = tl.arange(0, BLOCK_T)
+    rows = row0 + rel.to(tl.int64)
+    in_buf = rows < n_rows
+    if SEARCH:
+        # Many sequences: a compare against every sequence would cost BLOCK_T x nseq per
+        # program; a binary search per row costs N_ITER dependent (cached) loads.
+        if is_kv:
+            kept = _search_kept_jit(
+                pad_kv_ptr, cu_q_ptr, cu_kv_ptr, rows, in_buf, nseq, window_left,
+                window_right, EXACT, TOP_LEFT, BOTTOM_RIGHT, HAS_WL, HAS_WR, True, N_ITER,
+            )  # fmt: skip
+        else:
+            kept = _search_kept_jit(
+                pad_q_ptr, cu_q_ptr, cu_kv_ptr, rows, in_buf, nseq, window_left,
+                window_right, EXACT, TOP_LEFT, BOTTOM_RIGHT, HAS_WL, HAS_WR, False, N_ITER,
+            )  # fmt: skip
+    else:
+        kept = reach > rel
+    ok = (tl.zeros_like(rel) + bad) == 0  # per lane, so masks stay boolean vectors
+    dead = in_buf & (kept == 0) & ok
     if tl.sum(dead.to(tl.int32), axis=0) > 0:
         if is_kv:
             _zero_tiles_jit(
@@ -332,12 +454,16 @@ def _postpass_kernel(
 
 def _build() -> Any:
     """Import Triton and turn the functions above into (compiled or interpreted) kernels."""
-    global tl, _zero_tiles_jit, _scan_offsets_jit, _kernel
+    global tl, _key_bounds_jit, _seq_index_jit, _search_kept_jit, _zero_tiles_jit
+    global _scan_offsets_jit, _kernel
     if _kernel is None:
         import triton
         import triton.language as triton_language
 
         tl = triton_language
+        _key_bounds_jit = triton.jit(_key_bounds)
+        _seq_index_jit = triton.jit(_seq_index)
+        _search_kept_jit = triton.jit(_search_kept)
         _zero_tiles_jit = triton.jit(_zero_tiles)
         _scan_offsets_jit = triton.jit(_scan_offsets)
         _kernel = triton.jit(_postpass_kernel)
@@ -524,6 +650,7 @@ def _make_launch_plan(
         n_split = min(max(n_split, -(-max(tiles) // _MAX_TILES)), 65535)
     nt_q, nt_k, nt_v = (-(-n // n_split) for n in tiles)
     exact = bool(span.exact)
+    search = nseq + 1 > _COMPARE_MAX_OFFSETS
     has_wl = exact and span.window_left >= 0
     has_wr = exact and span.window_right >= 0
     scalars = (
@@ -540,6 +667,8 @@ def _make_launch_plan(
         BOTTOM_RIGHT=bool(span.bottom_right),
         HAS_WL=has_wl,
         HAS_WR=has_wr,
+        SEARCH=search,
+        N_ITER=(nseq + 1).bit_length() if search else 0,
         BLOCK_T=BLOCK_T,
         BLOCK_C=block_c,
         BD_Q=_next_pow2(int(q_t.shape[2])),
