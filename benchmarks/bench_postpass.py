@@ -310,6 +310,9 @@ def positional(te_fn: Callable, kwargs: Dict[str, Any]) -> Tuple[tuple, Dict[str
     time includes forwarding a keyword dict that TE never builds.
     """
     bound = inspect.signature(te_fn).bind(**kwargs)
+    # Without the defaults, ``args`` stops at the first parameter not given and the rest
+    # stay keywords; TE passes every one of them.
+    bound.apply_defaults()
     return tuple(bound.args), dict(bound.kwargs)
 
 

@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
+from bench_postpass import positional  # noqa: E402
+
 from te_gqa_fix import guard, triton_postpass  # noqa: E402
 from te_gqa_fix.wrapper import wrapper_for  # noqa: E402
 
@@ -154,7 +156,8 @@ def main() -> int:
         guard._decisions[(0, d, d)] = None
     # TE 2.20's FusedAttnFunc.backward passes all 33 arguments by position; by keyword
     # is the benchmark's own convenience and costs the forwarding of a dict twice.
-    pos = inspect.signature(original).bind(**kw).args
+    pos, rest = positional(original, kw)
+    assert not rest, rest
     for label, call_orig, call_wrapped in (
         ("positional", lambda: original(*pos), lambda: wrapped(*pos)),
         ("keywords", lambda: original(**kw), lambda: wrapped(**kw)),

@@ -14,7 +14,6 @@ median device time next to the PyTorch post-pass and the physical bound. Writes
 from __future__ import annotations
 
 import argparse
-import inspect
 import itertools
 import json
 import os
@@ -155,7 +154,8 @@ def host_overhead(wl: bp.Workload, n: int = 2000) -> Dict[str, float]:
     index = torch.cuda.current_device()
     fixed = guard._fixed.get(index)
     # TE 2.20's FusedAttnFunc.backward passes all 33 arguments by position.
-    pos = inspect.signature(fake).bind(**kw).args
+    pos, rest = bp.positional(fake, kw)
+    assert not rest, rest
 
     def wrapper_with(fixed_now: bool, positional: bool = False) -> Callable[[], Any]:
         def call() -> Any:
