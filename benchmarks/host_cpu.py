@@ -27,11 +27,13 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT / "src") not in sys.path:
-    sys.path.insert(0, str(ROOT / "src"))
+for _path in (ROOT / "src", ROOT / "tests"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 from bench_postpass import positional  # noqa: E402
 
+from fakes.te_signatures import build_fake  # noqa: E402
 from te_gqa_fix import guard, triton_postpass  # noqa: E402
 from te_gqa_fix.wrapper import wrapper_for  # noqa: E402
 
@@ -39,8 +41,9 @@ from te_gqa_fix.wrapper import wrapper_for  # noqa: E402
 def fake_original(
     rows: int, h_q: int, h_kv: int, d: int, out: Optional[List[Any]] = None
 ) -> Callable[..., Any]:
-    """A function with TE 2.20's parameter names that returns preallocated gradients
-    (``out``, else new CPU tensors): the cost of "TE's call" is then next to nothing."""
+    """The test suite's fake of TE 2.20's ``fused_attn_bwd`` (its exact signature, from
+    ``tests/fakes/te_signatures.py``) returning preallocated gradients (``out``, else new
+    CPU tensors): the cost of "TE's call" is then next to nothing."""
     if out is None:
         out = [
             torch.zeros(rows, h_q, d, dtype=torch.bfloat16),
@@ -48,20 +51,7 @@ def fake_original(
             torch.zeros(rows, h_kv, d, dtype=torch.bfloat16),
             None,
         ]
-
-    def fused_attn_bwd(
-        max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o,
-        fake_dtype, dqkv_dtype=None, aux_ctx_tensors=None, fused_attention_backend=None,
-        cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, s_quantizer=None,
-        dp_quantizer=None, dqkv_quantizer=None, attn_scale=None, dropout=0.0,
-        fast_zero_fill=True, qkv_layout="sbh3d", o_format=None, do_format=None,
-        dqkv_layout=None, attn_bias_type="no_bias", attn_mask_type="padding",
-        softmax_type="vanilla", window_size=(-1, -1), bottom_right_diagonal=None,
-        deterministic=False, cuda_graph=False,
-    ):  # fmt: skip
-        return out
-
-    return fused_attn_bwd
+    return build_fake("2.20", lambda arguments: out)
 
 
 class _StubCompiled:
@@ -143,6 +133,7 @@ def main() -> int:
         k=torch.zeros(rows, h_kv, d, dtype=torch.bfloat16),
         v=torch.zeros(rows, h_kv, d, dtype=torch.bfloat16),
         o=None, d_o=None, fake_dtype=torch.bfloat16, aux_ctx_tensors=[],
+        fused_attention_backend=None,
         cu_seqlens_q_padded=torch.tensor([0, 8, 24, 48], **i32),
         cu_seqlens_kv_padded=torch.tensor([0, 8, 24, 48], **i32),
         qkv_layout="thd_thd_thd", o_format="thd", do_format="thd", dqkv_layout="thd_thd_thd",

@@ -147,7 +147,8 @@ def host_overhead(wl: bp.Workload, n: int = 2000) -> Dict[str, float]:
     kw = dict(
         max_seqlen_q=max(wl.lq), max_seqlen_kv=max(wl.lk), cu_seqlens_q=cu_q,
         cu_seqlens_kv=cu_kv, q=q, k=k, v=k, o=q, d_o=q, fake_dtype=torch.bfloat16,
-        aux_ctx_tensors=[], cu_seqlens_q_padded=pad, cu_seqlens_kv_padded=pad,
+        aux_ctx_tensors=[], fused_attention_backend=None, cu_seqlens_q_padded=pad,
+        cu_seqlens_kv_padded=pad,
         qkv_layout="thd_thd_thd", o_format="thd", do_format="thd", dqkv_layout="thd_thd_thd",
         attn_mask_type=wl.mask, window_size=(-1, -1),
     )  # fmt: skip

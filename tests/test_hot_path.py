@@ -348,13 +348,14 @@ def test_direct_launch_after_first_normal_launch(monkeypatch: pytest.MonkeyPatch
     assert launch[:4] == (grid[0], grid[1], 1, 1234)
     assert launch[4:9] == ("fn-handle", ("packed",), None, None, None)
     # Every kernel parameter in order: what Triton's own run() hands the launcher.
-    # The eight pointers go to the launcher as integers (no data_ptr() call and no
-    # driver query per pointer there), the rest exactly as Triton's own run() binds them.
+    # The seven device pointers go to the launcher as integers (no data_ptr() call and no
+    # driver query per pointer there); the pinned error word stays a tensor (the driver
+    # gives its device address); the rest exactly as Triton's own run() binds them.
     bound = dict(zip(kernel.arg_names, (*args, *[meta[n] for n in kernel.arg_names[len(args) :]])))
     expected = tuple(bound[n] for n in kernel.arg_names)
-    assert launch[9:17] == tuple(t.data_ptr() for t in expected[:8])
-    assert all(type(p) is int for p in launch[9:17])
-    assert [t.data_ptr() for t in tensors] == list(launch[9:16])
+    assert launch[9:16] == tuple(t.data_ptr() for t in tensors)
+    assert all(type(p) is int for p in launch[9:16])
+    assert launch[16] is expected[7] and launch[16] is plan.err
     assert launch[17:] == expected[8:]
 
 
@@ -447,6 +448,69 @@ def test_interpreter_or_cpu_never_takes_the_direct_path(monkeypatch: pytest.Monk
     for _ in range(3):
         triton_postpass._run(plan, tensors)
     assert len(kernel.slow) == 3 and compiled.launches == []
+
+
+# --------------------------------------------------------------------- wrapper's launch cache
+
+
+def _launches_on_cpu(monkeypatch: pytest.MonkeyPatch) -> List[tuple]:
+    """Launches on CPU tensors with the launch recorded, not run (no Triton, no CUDA)."""
+    runs: List[tuple] = []
+    monkeypatch.setattr(triton_postpass, "_handles", lambda *a: True)
+    monkeypatch.setattr(triton_postpass, "_run", lambda plan, tensors: runs.append(tensors))
+    monkeypatch.setattr(triton_postpass, "_broken", False)
+    monkeypatch.setattr(triton_postpass, "_launch_plans", {})
+    return runs
+
+
+def _outputs(rows: int = 20) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
+    cu = torch.tensor([0, 5, 20], dtype=torch.int32)
+    dq = torch.zeros(rows, 4, 4)
+    return dq, torch.zeros(rows, 2, 4), torch.zeros(rows, 2, 4), (cu, cu, None, None)
+
+
+def test_launch_raises_what_an_earlier_call_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan holds its device's host words: bits set there (by the kernel of an earlier
+    call) raise before anything is launched, name the argument, and are cleared."""
+    from te_gqa_fix import offset_errors
+
+    runs = _launches_on_cpu(monkeypatch)
+    launches = triton_postpass.Launches()
+    dq, dk, dv, offs = _outputs()
+    span = key_span("padding_causal")
+    words = offset_errors.pending_words(torch.device("cpu"))
+    try:
+        assert launches.launch(dq, dk, dv, offs, span) and len(runs) == 1
+        words[0] = offset_errors.ARGUMENT_BITS["cu_seqlens_kv"]
+        with pytest.raises(offset_errors.OffsetsError, match=r"^cu_seqlens_kv\b"):
+            launches.launch(dq, dk, dv, offs, span)
+        assert len(runs) == 1, "launched despite the recorded error"
+        assert launches.launch(dq, dk, dv, offs, span) and len(runs) == 2  # cleared
+        # A new output shape: the recorded error still comes before any other check.
+        words[1] = offset_errors.ARGUMENT_BITS["cu_seqlens_q"]
+        bad_dq, bad_dk, _, _ = _outputs(rows=12)
+        with pytest.raises(offset_errors.OffsetsError, match=r"^cu_seqlens_q\b"):
+            launches.launch(bad_dq, bad_dk, dv, offs, span)  # dv has 20 rows, dk 12
+        with pytest.raises(ValueError, match="dv: expected the same number of token rows"):
+            launches.launch(bad_dq, bad_dk, dv, offs, span)
+    finally:
+        offset_errors._reset()
+
+
+def test_launch_sends_tensor_subclasses_to_pytorch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Anything but a plain tensor is declined before a key is built (the PyTorch
+    post-pass then runs), and is not cached as a plan."""
+
+    class Sub(torch.Tensor):
+        pass
+
+    runs = _launches_on_cpu(monkeypatch)
+    launches = triton_postpass.Launches()
+    dq, dk, dv, offs = _outputs()
+    span = key_span("padding_causal")
+    assert launches.launch(dq, dk.as_subclass(Sub), dv, offs, span) is False
+    assert runs == [] and launches.plans == {}
+    assert launches.launch(dq, dk, dv, offs, span) and len(runs) == 1
 
 
 def test_plan_key_separates_offset_dtypes() -> None:

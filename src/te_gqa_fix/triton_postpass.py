@@ -89,7 +89,8 @@ _MAX_TILES = 8
 #: by a binary search per row. The compare costs BLOCK_T x nseq per program, the search
 #: N_ITER cached loads; on the H200 (2026-11-30) the compare was a little faster at 17
 #: and 32 offsets, 28% slower at 65 (32K tokens, llama heads) and 60% at 256; 0 = always
-#: search. Not in the launch plans' key: clear ``_launch_plans`` after changing it.
+#: search. In the launch plans' key, like the other launch settings; a wrapper keeps the
+#: plans it already built (set it before the first launch).
 _COMPARE_MAX_OFFSETS = 32
 
 
@@ -614,7 +615,7 @@ def _launch_plan(
     key = (
         q_t.shape, q_t.stride(), q_t.dtype, dk.shape, dk.stride(), dk.dtype, dv.shape,
         dv.stride(), dv.dtype, has_q, nseq, span, dk.device, offset_dtypes, BLOCK_T,
-        BLOCK_C, _PROGRAMS_PER_SM, _NUM_WARPS, _MAX_TILES, padded_given,
+        BLOCK_C, _PROGRAMS_PER_SM, _NUM_WARPS, _MAX_TILES, _COMPARE_MAX_OFFSETS, padded_given,
     )  # fmt: skip
     plan = _launch_plans.get(key)
     if plan is not None:
@@ -761,11 +762,14 @@ def _run(plan: _LaunchPlan, tensors: tuple) -> None:
     """Launch the kernel for ``plan`` on ``tensors`` (dq-or-stand-in, dk, dv, 4 offsets);
     the plan's error word is the eighth pointer.
 
-    The direct launch hands Triton's launcher the pointers as integers: the launcher
-    takes an int as the device address as it is, where for a tensor it calls
+    The direct launch hands Triton's launcher the seven tensors' pointers as integers:
+    the launcher takes an int as the device address as it is, where for a tensor it calls
     ``data_ptr()`` and asks the driver (``cuPointerGetAttribute``) about every pointer,
     a driver call per argument per launch. The pointers were read here anyway (the
-    alignment key), and every tensor is on the plan's CUDA device (the plan's key).
+    alignment key), and every one of these tensors is device memory on the plan's CUDA
+    device (the plan's key), whose address is its device address. The error word stays
+    a tensor: it is pinned host memory, whose device address the driver gives (the same
+    value only under unified addressing with ``cudaHostAlloc``).
     """
     global _fast_ok
     g0, g1 = plan.grid
@@ -777,20 +781,20 @@ def _run(plan: _LaunchPlan, tensors: tuple) -> None:
         q_t, dk, dv, cu_q, cu_kv, pad_q, pad_kv = tensors
         ptrs = (
             q_t.data_ptr(), dk.data_ptr(), dv.data_ptr(), cu_q.data_ptr(), cu_kv.data_ptr(),
-            pad_q.data_ptr(), pad_kv.data_ptr(), plan.err_ptr,
+            pad_q.data_ptr(), pad_kv.data_ptr(),
         )  # fmt: skip
-        p0, p1, p2, p3, p4, p5, p6, p7 = ptrs
+        p0, p1, p2, p3, p4, p5, p6 = ptrs
         # All 16-byte aligned (the usual case) is one key; otherwise one flag per pointer.
-        if (p0 | p1 | p2 | p3 | p4 | p5 | p6 | p7) & 15 == 0:
+        if (p0 | p1 | p2 | p3 | p4 | p5 | p6 | plan.err_ptr) & 15 == 0:
             align = 0
         else:
-            align = tuple(p & 15 == 0 for p in ptrs)
+            align = tuple(p & 15 == 0 for p in (*ptrs, plan.err_ptr))
         entry = plan.compiled.get(align)
         if entry is not None and _fast_ok and _hooks_clear() and _current_device() == index:
             try:
                 run, function, packed = entry
                 run(g0, g1, 1, _raw_stream(index), function, packed, None, None, None,
-                    *ptrs, *plan.tail)  # fmt: skip
+                    *ptrs, plan.err, *plan.tail)  # fmt: skip
                 return
             except Exception as exc:  # never leave rows unzeroed: Triton's path below
                 _fast_ok = False
@@ -891,6 +895,8 @@ class Launches:
         )  # fmt: skip
         plan = self.plans.get(key)
         if plan is None:
+            # What an earlier call recorded comes first, as on every other path.
+            offset_errors.raise_pending(dk.device)
             # Once per output shape: the checks zero_dead_rows makes on its arguments
             # (dK and dV of equal rows above all: the kernel sizes both from dK).
             check_metadata(dq, dk, dv, *offsets)

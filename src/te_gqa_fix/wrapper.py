@@ -219,8 +219,7 @@ def _guard_dims(
 def _device_index(q: object) -> Optional[int]:
     """The CUDA device index of ``q``, or None (CPU, unknown). No torch.device for tensors."""
     if type(q) is _Tensor:
-        index = q.get_device()  # type: ignore[union-attr]  # -1 off CUDA, one C call
-        return index if index >= 0 else None
+        return q.get_device() if q.is_cuda else None  # type: ignore[union-attr]
     device = getattr(q, "device", None)
     return device.index if device is not None and getattr(device, "type", None) == "cuda" else None
 
