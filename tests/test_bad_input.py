@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Dict, List
@@ -23,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import te_gqa_fix
+from fakes.interpreter import run_worker
 from fakes.oracle import assert_rows, bits, expected_keep, make_ragged
 from fakes.te_outputs import FakeTE, call_arguments
 from te_gqa_fix import offset_errors, triton_postpass, zero_dead_rows
@@ -31,7 +30,6 @@ from te_gqa_fix.offset_errors import OffsetsError
 from te_gqa_fix.plan import PlanInput, build_plan, plan_from_json
 from te_gqa_fix.wrapper import _new_wrapper as make_wrapper
 
-ROOT = Path(__file__).resolve().parents[1]
 I32 = torch.int32
 
 
@@ -357,26 +355,10 @@ def test_a_failing_kernel_falls_back_to_the_pytorch_post_pass(
     assert_rows(dv, before[2], keep_kv, "dv")
 
 
-def _run_worker(check: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["TRITON_INTERPRET"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT / "src"), str(ROOT / "tests"), env.get("PYTHONPATH", "")) if p
-    )
-    return subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), check],
-        env=env,
-        cwd=str(ROOT),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-
-
 @pytest.mark.parametrize("check", ["kernel_offsets", "kernel_offsets_chunked", "public_triton"])
 def test_interpreter_worker(check: str) -> None:
     pytest.importorskip("triton")
-    proc = _run_worker(check)
+    proc = run_worker(__file__, check)
     assert proc.returncode == 0, f"worker {check!r} failed:\n{proc.stdout}\n{proc.stderr}"
     assert f"worker {check}: ok" in proc.stdout, proc.stdout
 

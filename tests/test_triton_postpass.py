@@ -19,11 +19,9 @@ CUDA-graph capture); they skip cleanly without CUDA or Triton.
 
 from __future__ import annotations
 
-import os
 import random
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
@@ -31,12 +29,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fakes.interpreter import run_worker
 from te_gqa_fix import offset_errors, triton_postpass
 from te_gqa_fix.masks import KNOWN_MASK_TYPES, KeySpan, key_interval, key_span
 from te_gqa_fix.offset_errors import OffsetsError
 from te_gqa_fix.postpass import _offset_error_bits, zero_dead_rows
 
-ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = ("separate", "t2hd", "th2d", "t3hd", "th3d", "transposed")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 GUARD_ROWS = 2
@@ -516,29 +514,13 @@ WORKER_CHECKS = {
 }
 
 
-def _run_worker(check: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["TRITON_INTERPRET"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT / "src"), env.get("PYTHONPATH", "")) if p
-    )
-    return subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), check],
-        env=env,
-        cwd=str(ROOT),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-
-
 # --------------------------------------------------------------------------- tests
 
 
 @pytest.mark.parametrize("check", sorted(WORKER_CHECKS))
 def test_interpreter_matches_torch_postpass(check: str) -> None:
     pytest.importorskip("triton")
-    proc = _run_worker(check)
+    proc = run_worker(__file__, check)
     assert proc.returncode == 0, f"worker {check!r} failed:\n{proc.stdout}\n{proc.stderr}"
     assert f"worker {check}: ok" in proc.stdout, proc.stdout
 
