@@ -144,14 +144,21 @@ def host_overhead(wl: bp.Workload, n: int = 2000) -> Dict[str, float]:
     wrapped = wrapper_for(fake)
     q = torch.empty(wl.rows, wl.h_q, wl.d, device="cuda", dtype=torch.bfloat16)
     k = torch.empty(wl.rows, wl.h_kv, wl.d, device="cuda", dtype=torch.bfloat16)
-    kw = dict(
-        max_seqlen_q=max(wl.lq), max_seqlen_kv=max(wl.lk), cu_seqlens_q=cu_q,
-        cu_seqlens_kv=cu_kv, q=q, k=k, v=k, o=q, d_o=q, fake_dtype=torch.bfloat16,
-        aux_ctx_tensors=[], fused_attention_backend=None, cu_seqlens_q_padded=pad,
-        cu_seqlens_kv_padded=pad,
-        qkv_layout="thd_thd_thd", o_format="thd", do_format="thd", dqkv_layout="thd_thd_thd",
-        attn_mask_type=wl.mask, window_size=(-1, -1),
-    )  # fmt: skip
+    # The benchmark's own TE arguments for this workload (bench_postpass._common).
+    kw = bp._call_kwargs(
+        fake,
+        dict(
+            bp._common(wl, cu_q, cu_kv, pad, max(wl.lq + wl.lk)),
+            q=q,
+            k=k,
+            v=k,
+            o=q,
+            d_o=q,
+            fake_dtype=torch.bfloat16,
+            aux_ctx_tensors=[],
+            fused_attention_backend=None,
+        ),
+    )
     index = torch.cuda.current_device()
     fixed = guard._fixed.get(index)
     # TE 2.20's FusedAttnFunc.backward passes all 33 arguments by position.
