@@ -513,6 +513,51 @@ def test_launch_sends_tensor_subclasses_to_pytorch(monkeypatch: pytest.MonkeyPat
     assert launches.launch(dq, dk, dv, offs, span) and len(runs) == 1
 
 
+class _RecordingLaunches:
+    """Stands in for a call shape's Launches: records launches, accepts or declines."""
+
+    def __init__(self, accept: bool) -> None:
+        self.accept = accept
+        self.calls: List[tuple] = []
+
+    def launch(self, dq: Any, dk: Any, dv: Any, offsets: tuple, span: Any) -> bool:
+        self.calls.append((dq, dk, dv))
+        return self.accept
+
+
+@pytest.mark.parametrize(
+    "accept, validate, launched, general",
+    [
+        (True, False, 1, None),  # the common case: the launch cache only
+        (False, False, 1, "none"),  # declined: PyTorch, never the kernel again
+        (True, True, 0, "launches"),  # deep validation: checks first, then the kernel
+    ],
+)
+def test_apply_routes_between_launch_cache_and_general_post_pass(
+    monkeypatch: pytest.MonkeyPatch, accept: bool, validate: bool, launched: int, general: Any
+) -> None:
+    """The wrapper hands TE's outputs straight to the launch cache; only a declined launch
+    or TE_GQA_FIX_VALIDATE goes through zero_dead_rows_prechecked, which then gets the
+    cache only under validation (it runs the kernel after its checks)."""
+    if validate:
+        monkeypatch.setenv("TE_GQA_FIX_VALIDATE", "1")
+    seen: List[Any] = []
+    monkeypatch.setattr(wrapper_module, "zero_dead_rows_prechecked", lambda *a: seen.append(a[-1]))
+    launches = _RecordingLaunches(accept)
+    span = key_span("padding_causal")
+    plan = wrapper_module._Decision(True, fix_q=False, span=span, launches=launches)
+    dq, dk, dv, offs = _outputs()
+    wrapper_module._apply(plan, offs, (dq, dk, dv, None))
+    assert len(launches.calls) == launched
+    if launched:
+        assert launches.calls[0] == (None, dk, dv)  # fix_q False: dQ is not touched
+    if general is None:
+        assert seen == []
+    else:
+        assert seen == [None if general == "none" else launches]
+    assert call_counts()["fixed"] == 1
+
+
 def test_plan_key_separates_offset_dtypes() -> None:
     dq, dk, dv = torch.zeros(8, 2, 4), torch.zeros(8, 1, 4), torch.zeros(8, 1, 4)
     span = key_span("padding_causal")

@@ -92,6 +92,10 @@ _MAX_TILES = 8
 #: search. In the launch plans' key, like the other launch settings; a wrapper keeps the
 #: plans it already built (set it before the first launch).
 _COMPARE_MAX_OFFSETS = 32
+#: The zero stores' cache hint: 0 none, 1 ``evict_first``, 2 streaming (``.cs``): zeros
+#: that nothing reads back soon need not displace the backward's data from L2.
+#: ``benchmarks/sweep_kernel.py --floor`` measures the three.
+_STORE_HINT = 0
 
 
 # --------------------------------------------------------------------------- kernel
@@ -222,12 +226,15 @@ def _zero_tiles(
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    STORE_HINT: tl.constexpr,
 ):
     """Store zeros at ``ptr[row, h, d]`` for the dead rows, column tiles split, split+n_split...
 
     Columns are the flattened ``(h, d)`` with ``d`` padded to ``BLOCK_D`` (a power of two),
     so the head and dim of a column are a shift and a mask away. ``N_TILES`` is this
     program's tile count, rounded up: tiles past the last head are fully masked.
+    ``STORE_HINT`` (:data:`_STORE_HINT`): 0 plain stores, 1 ``evict_first``, 2 streaming
+    (``.cs``).
     """
     cols = tl.arange(0, BLOCK_C)
     row_off = rows * stride_t
@@ -240,7 +247,17 @@ def _zero_tiles(
         col_ok = (h < n_heads) & (d < head_dim)
         col_off = h.to(tl.int64) * stride_h + d.to(tl.int64) * stride_d
         mask = dead[:, None] & col_ok[None, :]
-        tl.store(ptr + (row_off[:, None] + col_off[None, :]), zero, mask=mask)
+        if STORE_HINT == 1:
+            tl.store(
+                ptr + (row_off[:, None] + col_off[None, :]), zero, mask=mask,
+                eviction_policy="evict_first",
+            )  # fmt: skip
+        elif STORE_HINT == 2:
+            tl.store(
+                ptr + (row_off[:, None] + col_off[None, :]), zero, mask=mask, cache_modifier=".cs"
+            )
+        else:
+            tl.store(ptr + (row_off[:, None] + col_off[None, :]), zero, mask=mask)
 
 
 def _scan_offsets(
@@ -395,6 +412,7 @@ def _postpass_kernel(
     PAD_KV_BIT: tl.constexpr,
     OFF_BLOCK: tl.constexpr,
     OFF_CHUNKS: tl.constexpr,
+    STORE_HINT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -437,16 +455,16 @@ def _postpass_kernel(
         if is_kv:
             _zero_tiles_jit(
                 dk_ptr, rows, dead, h_k, d_k, sk_t, sk_h, sk_d, split, n_split,
-                NT_K, BLOCK_T, BLOCK_C, BD_K,
+                NT_K, BLOCK_T, BLOCK_C, BD_K, STORE_HINT,
             )  # fmt: skip
             _zero_tiles_jit(
                 dv_ptr, rows, dead, h_v, d_v, sv_t, sv_h, sv_d, split, n_split,
-                NT_V, BLOCK_T, BLOCK_C, BD_V,
+                NT_V, BLOCK_T, BLOCK_C, BD_V, STORE_HINT,
             )  # fmt: skip
         else:
             _zero_tiles_jit(
                 dq_ptr, rows, dead, h_q, d_q, sq_t, sq_h, sq_d, split, n_split,
-                NT_Q, BLOCK_T, BLOCK_C, BD_Q,
+                NT_Q, BLOCK_T, BLOCK_C, BD_Q, STORE_HINT,
             )  # fmt: skip
 
 
@@ -564,7 +582,8 @@ class _LaunchPlan:
     """
 
     __slots__ = (
-        "compiled", "device_index", "err", "err_ptr", "grid", "meta", "scalars", "tail", "words",
+        "compiled", "device_index", "err", "err_ptr", "fast", "grid", "meta", "scalars", "tail",
+        "words",
     )  # fmt: skip
 
     def __init__(
@@ -581,6 +600,10 @@ class _LaunchPlan:
         self.meta = meta
         self.tail: Optional[tuple] = None
         self.compiled: Dict[object, Any] = {}
+        #: ``(run, function, packed metadata, error word + tail)`` of the kernel compiled
+        #: for all pointers 16-byte aligned (the usual case), once captured: the whole
+        #: direct launch in one tuple, so the common call reads no dict.
+        self.fast: Optional[tuple] = None
         self.device_index = device_index
         #: The device's pinned error word (te_gqa_fix.offset_errors), the kernel's 8th
         #: pointer: the same memory for every call on that device.
@@ -615,7 +638,8 @@ def _launch_plan(
     key = (
         q_t.shape, q_t.stride(), q_t.dtype, dk.shape, dk.stride(), dk.dtype, dv.shape,
         dv.stride(), dv.dtype, has_q, nseq, span, dk.device, offset_dtypes, BLOCK_T,
-        BLOCK_C, _PROGRAMS_PER_SM, _NUM_WARPS, _MAX_TILES, _COMPARE_MAX_OFFSETS, padded_given,
+        BLOCK_C, _PROGRAMS_PER_SM, _NUM_WARPS, _MAX_TILES, _COMPARE_MAX_OFFSETS, _STORE_HINT,
+        padded_given,
     )  # fmt: skip
     plan = _launch_plans.get(key)
     if plan is not None:
@@ -681,6 +705,7 @@ def _make_launch_plan(
     )
     # Impossible-offset check (issue #13): five more constexprs and the error word.
     meta.update(offset_errors.kernel_meta(nseq, has_q, *padded_given))
+    meta["STORE_HINT"] = _STORE_HINT
     cuda = dk.device.type == "cuda"
     if cuda:
         meta["num_warps"] = _NUM_WARPS
@@ -756,11 +781,55 @@ def _capture(plan: _LaunchPlan, align: object, ret: Any, kernel: Any, n_tensors:
             return
     run = ret.run  # property: loads the module on first use
     plan.compiled[align] = (run, ret.function, ret.packed_metadata)
+    if align == 0:
+        plan.fast = (run, ret.function, ret.packed_metadata, (plan.err, *plan.tail))
 
 
 def _run(plan: _LaunchPlan, tensors: tuple) -> None:
     """Launch the kernel for ``plan`` on ``tensors`` (dq-or-stand-in, dk, dv, 4 offsets);
     the plan's error word is the eighth pointer.
+
+    The common case first, in as few steps as possible: every pointer 16-byte aligned,
+    the kernel for that captured (``plan.fast``), no launch hooks, the plan's device
+    current. Everything else goes through :func:`_run_general`.
+    """
+    fast = plan.fast
+    if fast is not None and _fast_ok:
+        q_t, dk, dv, cu_q, cu_kv, pad_q, pad_kv = tensors
+        p0, p1, p2 = q_t.data_ptr(), dk.data_ptr(), dv.data_ptr()
+        p3, p4, p5, p6 = cu_q.data_ptr(), cu_kv.data_ptr(), pad_q.data_ptr(), pad_kv.data_ptr()
+        index = plan.device_index
+        if (
+            (p0 | p1 | p2 | p3 | p4 | p5 | p6) & 15 == 0
+            and _hooks_clear()
+            and (_current_device() == index)
+        ):
+            run, function, packed, tail = fast
+            g0, g1 = plan.grid
+            try:
+                run(g0, g1, 1, _raw_stream(index), function, packed, None, None, None,
+                    p0, p1, p2, p3, p4, p5, p6, *tail)  # fmt: skip
+                return
+            except Exception as exc:
+                _fast_failed(exc)
+    _run_general(plan, tensors)
+
+
+def _fast_failed(exc: BaseException) -> None:
+    """The direct launch raised: Triton's own launch path from now on (logged once)."""
+    global _fast_ok
+    _fast_ok = False
+    log_once(
+        ("triton-fast-failed",),
+        logging.WARNING,
+        "te_gqa_fix: direct Triton launch failed (%r); using Triton's launch path from now on",
+        exc,
+    )
+
+
+def _run_general(plan: _LaunchPlan, tensors: tuple) -> None:
+    """:func:`_run` for every case: any pointer alignment, launch hooks, another current
+    device, the first launch of a plan (Triton compiles, and its kernel is captured).
 
     The direct launch hands Triton's launcher the seven tensors' pointers as integers:
     the launcher takes an int as the device address as it is, where for a tensor it calls
@@ -771,7 +840,6 @@ def _run(plan: _LaunchPlan, tensors: tuple) -> None:
     a tensor: it is pinned host memory, whose device address the driver gives (the same
     value only under unified addressing with ``cudaHostAlloc``).
     """
-    global _fast_ok
     g0, g1 = plan.grid
     if g0 == 0:
         return
@@ -797,14 +865,7 @@ def _run(plan: _LaunchPlan, tensors: tuple) -> None:
                     *ptrs, plan.err, *plan.tail)  # fmt: skip
                 return
             except Exception as exc:  # never leave rows unzeroed: Triton's path below
-                _fast_ok = False
-                log_once(
-                    ("triton-fast-failed",),
-                    logging.WARNING,
-                    "te_gqa_fix: direct Triton launch failed (%r); using Triton's "
-                    "launch path from now on",
-                    exc,
-                )
+                _fast_failed(exc)
     tensors = (*tensors, plan.err)
     kernel = _build()
     if index >= 0 and _current_device() != index:

@@ -12,9 +12,8 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from collections import Counter
 from types import ModuleType
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -22,7 +21,7 @@ from ._logging import log_once, logger
 from ._marker import MARKER, is_wrapper, unwrap
 from .guard import check_head_dims, cudnn_fixed
 from .masks import KeySpan, key_span
-from .policy import get_policy
+from .policy import deep_validation_enabled, get_policy
 from .postpass import zero_dead_rows_prechecked
 from .validation import check_metadata, shape_of
 
@@ -38,18 +37,22 @@ __all__ = [
 ]
 
 
-_counts: Counter = Counter()
+_COUNT_NAMES = ("calls", "fixed", "skipped", "passthrough")
+_CALLS, _FIXED, _SKIPPED, _PASSTHROUGH = range(4)
+#: One plain list, indexed by the constants above: an item increment is about a third of
+#: a Counter's, and the wrapper counts twice per call.
+_counts: List[int] = [0, 0, 0, 0]
 
 
 def call_counts() -> Dict[str, int]:
     """How many calls went through any wrapper: ``calls``, ``fixed`` (post-pass ran),
     ``skipped`` (understood, nothing to do: MHA, non-THD, policy off) and ``passthrough``
     (not understood; logged once). Plain Python counters: no device work."""
-    return {k: _counts[k] for k in ("calls", "fixed", "skipped", "passthrough")}
+    return dict(zip(_COUNT_NAMES, _counts))
 
 
 def reset_call_counts() -> None:
-    _counts.clear()
+    _counts[:] = [0, 0, 0, 0]
 
 
 _THD_LAYOUTS: Dict[str, Tuple[bool, bool]] = {
@@ -195,7 +198,7 @@ class _Decision:
 
 
 def _passthrough(key: object, msg: str, *args: object) -> None:
-    _counts["passthrough"] += 1
+    _counts[_PASSTHROUGH] += 1
     log_once(
         ("passthrough", key),
         logging.WARNING,
@@ -287,13 +290,13 @@ def _prepare(
     """
     policy = get_policy()
     if policy == "off":
-        _counts["skipped"] += 1
+        _counts[_SKIPPED] += 1
         return None
     q = binder.pick_q(args, kwargs)[0]
     device_index = _device_index(q)
     if policy == "auto" and device_index is not None and cudnn_fixed(device_index):
         # cuDNN >= 9.18 initialises the workspace: nothing to repair, nothing to guard.
-        _counts["skipped"] += 1
+        _counts[_SKIPPED] += 1
         return None
     k, v, layout_name, layout, cu_q, cu_kv, pad_q, pad_kv, mask, window, brd = binder.pick_call(
         args, kwargs
@@ -341,12 +344,14 @@ def _prepare(
     elif plan.guard is not None:
         check_head_dims(*plan.guard)
     if not plan.fix:
-        _counts["skipped"] += 1
+        _counts[_SKIPPED] += 1
         return None
     return plan, offsets
 
 
 def _apply(plan: _Decision, offsets: tuple, out: object) -> None:
+    """Zero the dead rows of TE's outputs: the kernel's cached launch, else the PyTorch
+    post-pass (no kernel, kernel declined, ``TE_GQA_FIX_VALIDATE`` on)."""
     if not isinstance(out, (list, tuple)) or len(out) < 3:
         _passthrough(
             ("output", type(out).__name__),
@@ -354,9 +359,19 @@ def _apply(plan: _Decision, offsets: tuple, out: object) -> None:
             type(out).__name__,
         )
         return
-    dq, dk, dv = out[0], out[1], out[2]
-    zero_dead_rows_prechecked(dq if plan.fix_q else None, dk, dv, offsets, plan.span, plan.launches)
-    _counts["fixed"] += 1
+    dq = out[0] if plan.fix_q else None
+    dk, dv = out[1], out[2]
+    launches = plan.launches
+    # The common case in one call: the launch cache (it also raises recorded offset
+    # errors first). Deep validation (then the kernel after the checks) and a declined
+    # launch (then PyTorch) take the general entry.
+    if launches is not None and not deep_validation_enabled():
+        if launches.launch(dq, dk, dv, offsets, plan.span):
+            _counts[_FIXED] += 1
+            return
+        launches = None
+    zero_dead_rows_prechecked(dq, dk, dv, offsets, plan.span, launches)
+    _counts[_FIXED] += 1
 
 
 def _new_wrapper(original: Callable) -> Callable:
@@ -378,7 +393,7 @@ def _new_wrapper(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def fused_attn_bwd(*args: Any, **kwargs: Any) -> Any:
-        _counts["calls"] += 1
+        _counts[_CALLS] += 1
         if binder is None:
             _passthrough(
                 ("signature", id(original)),
