@@ -112,12 +112,11 @@ def sweep_one(wl: bp.Workload, grid: List[tuple], bw: Dict[str, float]) -> List[
 def floor(wl: bp.Workload, bw: Dict[str, float], reps: int = 200) -> Dict[str, Any]:
     """The kernel next to what one launch writing the same bytes costs on this GPU.
 
-    Interleaved in one group (device time, medians): the kernel under each store hint
-    (``_STORE_HINT`` 0/1/2), ``torch.zero_`` of one contiguous buffer of exactly the bytes
-    the kernel must write, a plain Triton 1-D store kernel on that buffer, and an
-    (almost) empty kernel: the time a launch costs in event timing before any store.
-    Whether a device goal is reachable by a single kernel is decided by the contiguous
-    fill, not by the bandwidth of a 1 GiB copy.
+    Interleaved in one group (device time, medians): the kernel, ``torch.zero_`` of one
+    contiguous buffer of exactly the bytes the kernel must write, a plain Triton 1-D store
+    kernel on that buffer, and that kernel with nothing to store: what a launch costs in
+    event timing before any store. Whether a device goal is within reach of one kernel
+    is judged against the contiguous fill, not against the bandwidth of a 1 GiB copy.
     """
     import triton
     import triton.language as tl
@@ -131,23 +130,13 @@ def floor(wl: bp.Workload, bw: Dict[str, float], reps: int = 200) -> Dict[str, A
     flat = torch.empty(max(1, nbytes // 2), dtype=torch.bfloat16, device="cuda")
     block = 4096
     grid = (-(-flat.numel() // block),)
-    saved = tp._STORE_HINT
-
-    def kernel(hint: int) -> Callable[[], None]:
-        def call() -> None:
-            tp._STORE_HINT = hint  # host side, between the events: not in the device time
-            tp.zero_dead_rows_triton(dq, dk, dv, *offs, span=span)
-
-        return call
-
-    fns: Dict[str, Callable[[], Any]] = {f"kernel_hint{h}": kernel(h) for h in (0, 1, 2)}
-    fns["torch_zero_contiguous"] = flat.zero_
-    fns["triton_fill_contiguous"] = lambda: _fill[grid](flat, flat.numel(), BLOCK=block)
-    fns["empty_kernel"] = lambda: _fill[(1,)](flat, 0, BLOCK=block)
-    try:
-        t = bp.time_device_group(fns, reps, 10)
-    finally:
-        tp._STORE_HINT = saved
+    fns: Dict[str, Callable[[], Any]] = {
+        "kernel": lambda: tp.zero_dead_rows_triton(dq, dk, dv, *offs, span=span),
+        "torch_zero_contiguous": flat.zero_,
+        "triton_fill_contiguous": lambda: _fill[grid](flat, flat.numel(), BLOCK=block),
+        "empty_kernel": lambda: _fill[(1,)](flat, 0, BLOCK=block),
+    }
+    t = bp.time_device_group(fns, reps, 10)
     bound = nbytes / (bw["copy_traffic_GBps"] * 1e3)
     row: Dict[str, Any] = dict(workload=wl.name, mb=nbytes / 1e6, bound_us=bound)
     row.update({k: v["median_us"] for k, v in t.items()})

@@ -92,10 +92,6 @@ _MAX_TILES = 8
 #: search. In the launch plans' key, like the other launch settings; a wrapper keeps the
 #: plans it already built (set it before the first launch).
 _COMPARE_MAX_OFFSETS = 32
-#: The zero stores' cache hint: 0 none, 1 ``evict_first``, 2 streaming (``.cs``): zeros
-#: that nothing reads back soon need not displace the backward's data from L2.
-#: ``benchmarks/sweep_kernel.py --floor`` measures the three.
-_STORE_HINT = 0
 
 
 # --------------------------------------------------------------------------- kernel
@@ -226,15 +222,12 @@ def _zero_tiles(
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    STORE_HINT: tl.constexpr,
 ):
     """Store zeros at ``ptr[row, h, d]`` for the dead rows, column tiles split, split+n_split...
 
     Columns are the flattened ``(h, d)`` with ``d`` padded to ``BLOCK_D`` (a power of two),
     so the head and dim of a column are a shift and a mask away. ``N_TILES`` is this
     program's tile count, rounded up: tiles past the last head are fully masked.
-    ``STORE_HINT`` (:data:`_STORE_HINT`): 0 plain stores, 1 ``evict_first``, 2 streaming
-    (``.cs``).
     """
     cols = tl.arange(0, BLOCK_C)
     row_off = rows * stride_t
@@ -247,17 +240,7 @@ def _zero_tiles(
         col_ok = (h < n_heads) & (d < head_dim)
         col_off = h.to(tl.int64) * stride_h + d.to(tl.int64) * stride_d
         mask = dead[:, None] & col_ok[None, :]
-        if STORE_HINT == 1:
-            tl.store(
-                ptr + (row_off[:, None] + col_off[None, :]), zero, mask=mask,
-                eviction_policy="evict_first",
-            )  # fmt: skip
-        elif STORE_HINT == 2:
-            tl.store(
-                ptr + (row_off[:, None] + col_off[None, :]), zero, mask=mask, cache_modifier=".cs"
-            )
-        else:
-            tl.store(ptr + (row_off[:, None] + col_off[None, :]), zero, mask=mask)
+        tl.store(ptr + (row_off[:, None] + col_off[None, :]), zero, mask=mask)
 
 
 def _scan_offsets(
@@ -412,7 +395,6 @@ def _postpass_kernel(
     PAD_KV_BIT: tl.constexpr,
     OFF_BLOCK: tl.constexpr,
     OFF_CHUNKS: tl.constexpr,
-    STORE_HINT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -455,16 +437,16 @@ def _postpass_kernel(
         if is_kv:
             _zero_tiles_jit(
                 dk_ptr, rows, dead, h_k, d_k, sk_t, sk_h, sk_d, split, n_split,
-                NT_K, BLOCK_T, BLOCK_C, BD_K, STORE_HINT,
+                NT_K, BLOCK_T, BLOCK_C, BD_K,
             )  # fmt: skip
             _zero_tiles_jit(
                 dv_ptr, rows, dead, h_v, d_v, sv_t, sv_h, sv_d, split, n_split,
-                NT_V, BLOCK_T, BLOCK_C, BD_V, STORE_HINT,
+                NT_V, BLOCK_T, BLOCK_C, BD_V,
             )  # fmt: skip
         else:
             _zero_tiles_jit(
                 dq_ptr, rows, dead, h_q, d_q, sq_t, sq_h, sq_d, split, n_split,
-                NT_Q, BLOCK_T, BLOCK_C, BD_Q, STORE_HINT,
+                NT_Q, BLOCK_T, BLOCK_C, BD_Q,
             )  # fmt: skip
 
 
@@ -638,7 +620,7 @@ def _launch_plan(
     key = (
         q_t.shape, q_t.stride(), q_t.dtype, dk.shape, dk.stride(), dk.dtype, dv.shape,
         dv.stride(), dv.dtype, has_q, nseq, span, dk.device, offset_dtypes, BLOCK_T,
-        BLOCK_C, _PROGRAMS_PER_SM, _NUM_WARPS, _MAX_TILES, _COMPARE_MAX_OFFSETS, _STORE_HINT,
+        BLOCK_C, _PROGRAMS_PER_SM, _NUM_WARPS, _MAX_TILES, _COMPARE_MAX_OFFSETS,
         padded_given,
     )  # fmt: skip
     plan = _launch_plans.get(key)
@@ -705,7 +687,6 @@ def _make_launch_plan(
     )
     # Impossible-offset check (issue #13): five more constexprs and the error word.
     meta.update(offset_errors.kernel_meta(nseq, has_q, *padded_given))
-    meta["STORE_HINT"] = _STORE_HINT
     cuda = dk.device.type == "cuda"
     if cuda:
         meta["num_warps"] = _NUM_WARPS
