@@ -1,14 +1,19 @@
 #!/usr/bin/env python3
 """Tune the Triton post-pass: its launch parameters on synthetic gradients (no TE needed).
 
-Run on a CUDA machine: ``python benchmarks/sweep_kernel.py [--quick]``. For each
-workload of ``bench_postpass.py`` (same batches, random gradients) it times the kernel
-under each (rows per program, columns per tile, programs per SM, warps, column tiles per
-program, how kept rows are found: ``compare_max`` is ``_COMPARE_MAX_OFFSETS``, 0 = a
-binary search per row, 32 = the interval compare up to 31 sequences; the workloads have
-8) and prints the
-median device time next to the PyTorch post-pass and the physical bound. Writes
-``sweep.json`` into ``--out`` (default ``$OUT``, else ``./bench-out``).
+Run on a CUDA machine: ``python benchmarks/sweep_kernel.py [--quick | --persistent]``.
+For each workload of ``bench_postpass.py`` (same batches, random gradients) it times the
+kernel under each (rows per unit, columns per tile, units per SM, warps, column tiles per
+unit, how kept rows are found: ``compare_max`` is ``_COMPARE_MAX_OFFSETS``, 0 = a binary
+search per row, 32 = the interval compare up to 31 sequences; the workloads have 8;
+programs per SM, ``_RESIDENT_PER_SM``) and prints the median device time next to the
+PyTorch post-pass and the physical bound. Writes ``sweep.json`` into ``--out`` (default
+``$OUT``, else ``./bench-out``).
+
+Other modes: ``--floor`` (the kernel next to one contiguous fill of the same bytes and an
+empty launch), ``--against PATH`` (next to another version of ``triton_postpass.py``,
+say ``git show REV:src/te_gqa_fix/triton_postpass.py``), ``--host`` (host microseconds
+along the call chain).
 """
 
 from __future__ import annotations
@@ -32,19 +37,18 @@ from te_gqa_fix import triton_postpass as tp
 from te_gqa_fix.masks import key_span
 from te_gqa_fix.postpass import zero_dead_rows
 
-_KEY = ("block_t", "block_c", "programs_per_sm", "warps", "max_tiles", "compare_max")
+_KEY = ("block_t", "block_c", "programs_per_sm", "warps", "max_tiles", "compare_max", "resident")
 
 
 def _settings() -> tuple:
     """The module's launch constants, in _KEY order."""
     return (tp.BLOCK_T, tp.BLOCK_C, tp._PROGRAMS_PER_SM, tp._NUM_WARPS, tp._MAX_TILES,
-            tp._COMPARE_MAX_OFFSETS)  # fmt: skip
+            tp._COMPARE_MAX_OFFSETS, tp._RESIDENT_PER_SM)  # fmt: skip
 
 
 def _set(cfg: tuple) -> None:
     (tp.BLOCK_T, tp.BLOCK_C, tp._PROGRAMS_PER_SM, tp._NUM_WARPS, tp._MAX_TILES,
-     tp._COMPARE_MAX_OFFSETS) = cfg  # fmt: skip
-    tp._launch_plans.clear()  # _COMPARE_MAX_OFFSETS is not in the plans' key
+     tp._COMPARE_MAX_OFFSETS, tp._RESIDENT_PER_SM) = cfg  # fmt: skip
 
 
 def _buffers(wl: bp.Workload) -> Tuple[Any, int, tuple, tuple]:
@@ -109,15 +113,10 @@ def sweep_one(wl: bp.Workload, grid: List[tuple], bw: Dict[str, float]) -> List[
     return rows
 
 
-def floor(wl: bp.Workload, bw: Dict[str, float], reps: int = 200) -> Dict[str, Any]:
-    """The kernel next to what one launch writing the same bytes costs on this GPU.
-
-    Interleaved in one group (device time, medians): the kernel, ``torch.zero_`` of one
-    contiguous buffer of exactly the bytes the kernel must write, a plain Triton 1-D store
-    kernel on that buffer, and that kernel with nothing to store: what a launch costs in
-    event timing before any store. Whether a device goal is within reach of one kernel
-    is judged against the contiguous fill, not against the bandwidth of a 1 GiB copy.
-    """
+def _contiguous_fills(nbytes: int) -> Dict[str, Callable[[], Any]]:
+    """One launch writing ``nbytes`` of zeros contiguously, three ways: ``torch.zero_``,
+    a plain Triton 1-D store kernel, and that kernel with nothing to store (what a launch
+    costs in event timing before any store)."""
     import triton
     import triton.language as tl
 
@@ -126,28 +125,106 @@ def floor(wl: bp.Workload, bw: Dict[str, float], reps: int = 200) -> Dict[str, A
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         tl.store(x_ptr + offs, tl.zeros([BLOCK], dtype=x_ptr.dtype.element_ty), mask=offs < n_el)
 
-    span, nbytes, offs, (dq, dk, dv) = _buffers(wl)
     flat = torch.empty(max(1, nbytes // 2), dtype=torch.bfloat16, device="cuda")
     block = 4096
     grid = (-(-flat.numel() // block),)
-    fns: Dict[str, Callable[[], Any]] = {
-        "kernel": lambda: tp.zero_dead_rows_triton(dq, dk, dv, *offs, span=span),
+    return {
         "torch_zero_contiguous": flat.zero_,
         "triton_fill_contiguous": lambda: _fill[grid](flat, flat.numel(), BLOCK=block),
         "empty_kernel": lambda: _fill[(1,)](flat, 0, BLOCK=block),
+    }
+
+
+def _goal_us(wl: bp.Workload, bound: float) -> float:
+    if wl.rows >= bench_report.LARGE_TOKENS:
+        return bench_report.BOUND_FACTOR * bound
+    return bench_report.SMALL_US
+
+
+def floor(wl: bp.Workload, bw: Dict[str, float], reps: int = 200) -> Dict[str, Any]:
+    """The kernel next to what one launch writing the same bytes costs on this GPU.
+
+    Interleaved in one group (device time, medians): the kernel and
+    :func:`_contiguous_fills` of exactly the bytes the kernel must write. Whether a device
+    goal is within reach of one kernel is judged against the contiguous fill, not
+    against the bandwidth of a 1 GiB copy.
+    """
+    span, nbytes, offs, (dq, dk, dv) = _buffers(wl)
+    fns: Dict[str, Callable[[], Any]] = {
+        "kernel": lambda: tp.zero_dead_rows_triton(dq, dk, dv, *offs, span=span),
+        **_contiguous_fills(nbytes),
     }
     t = bp.time_device_group(fns, reps, 10)
     bound = nbytes / (bw["copy_traffic_GBps"] * 1e3)
     row: Dict[str, Any] = dict(workload=wl.name, mb=nbytes / 1e6, bound_us=bound)
     row.update({k: v["median_us"] for k, v in t.items()})
-    goal = (
-        bench_report.BOUND_FACTOR * bound
-        if wl.rows >= bench_report.LARGE_TOKENS
-        else bench_report.SMALL_US
-    )
-    row["goal_us"] = goal
+    row["goal_us"] = _goal_us(wl, bound)
     print(
-        f"floor {wl.name}: {nbytes / 1e6:.1f} MB, goal {goal:.1f} us; "
+        f"floor {wl.name}: {nbytes / 1e6:.1f} MB, goal {row['goal_us']:.1f} us; "
+        + ", ".join(f"{k} {row[k]:.1f}" for k in fns),
+        flush=True,
+    )
+    return row
+
+
+def load_kernel_module(path: str) -> Any:
+    """Another version of ``te_gqa_fix/triton_postpass.py`` (say ``git show
+    REV:src/te_gqa_fix/triton_postpass.py > old.py``) as a module of its own, importing
+    the rest from this checkout. Triton needs its source on disk, hence a file."""
+    import importlib.util
+    import tempfile
+
+    src = Path(path).read_text()
+    for name in ("offset_errors", "_logging", "masks", "validation"):
+        src = src.replace(f"from .{name} import", f"from te_gqa_fix.{name} import")
+    src = src.replace("from . import offset_errors", "from te_gqa_fix import offset_errors")
+    target = Path(tempfile.mkdtemp()) / "te_gqa_fix_other_kernel.py"
+    target.write_text(src)
+    spec = importlib.util.spec_from_file_location(target.stem, target)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[target.stem] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def against(
+    wl: bp.Workload, other: Any, bw: Dict[str, float], resident: List[int], reps: int = 200
+) -> Dict[str, Any]:
+    """This checkout's kernel (at each ``_RESIDENT_PER_SM`` of ``resident``) side by side
+    with ``other``'s (:func:`load_kernel_module`, its own defaults) and the contiguous
+    fills, interleaved; plus whether both write the same bytes."""
+    span, nbytes, offs, (dq, dk, dv) = _buffers(wl)
+    saved = tp._RESIDENT_PER_SM
+
+    def ours(r: int) -> Callable[[], None]:
+        def call() -> None:
+            tp._RESIDENT_PER_SM = r  # host side, between the events
+            tp.zero_dead_rows_triton(dq, dk, dv, *offs, span=span)
+
+        return call
+
+    results = []
+    for mod in (other, tp):
+        bufs = dq.clone(), dk.clone(), dv.clone()
+        mod.zero_dead_rows_triton(*bufs, *offs, span=span)
+        results.append(bufs)
+    same = all(torch.equal(a, b) for a, b in zip(*results))
+    fns: Dict[str, Callable[[], Any]] = {
+        "other": lambda: other.zero_dead_rows_triton(dq, dk, dv, *offs, span=span)
+    }
+    fns.update({f"resident_{r}": ours(r) for r in resident})
+    fns.update(_contiguous_fills(nbytes))
+    try:
+        t = bp.time_device_group(fns, reps, 10)
+    finally:
+        tp._RESIDENT_PER_SM = saved
+    bound = nbytes / (bw["copy_traffic_GBps"] * 1e3)
+    row: Dict[str, Any] = dict(workload=wl.name, mb=nbytes / 1e6, bound_us=bound, same=same)
+    row.update({k: v["median_us"] for k, v in t.items()})
+    row["goal_us"] = _goal_us(wl, bound)
+    print(
+        f"against {wl.name}: same bytes {same}, goal {row['goal_us']:.1f} us; "
         + ", ".join(f"{k} {row[k]:.1f}" for k in fns),
         flush=True,
     )
@@ -314,16 +391,31 @@ def main() -> int:
     p.add_argument("--mask", default="padding_causal_bottom_right")
     p.add_argument("--host", action="store_true", help="only the host-overhead breakdown")
     p.add_argument("--floor", action="store_true", help="only the kernel next to a contiguous fill")
+    p.add_argument(
+        "--against",
+        metavar="PATH",
+        help="time this kernel next to another version of triton_postpass.py at PATH",
+    )
+    p.add_argument("--resident", default="2,4,8,16", help="_RESIDENT_PER_SM values (--against)")
+    p.add_argument("--persistent", action="store_true", help="the looping kernel's grid")
     args = p.parse_args()
     if not (torch.cuda.is_available() and tp.available()):
         print("sweep_kernel: needs CUDA and Triton", file=sys.stderr)
         return 2
-    if args.floor:
+    if args.floor or args.against:
         bw = bp.bandwidth(10)
-        rows = [floor(wl, bw) for wl in bp.all_workloads(args.mask).values()]
+        wls = bp.all_workloads(args.mask).values()
+        if args.against:
+            other = load_kernel_module(args.against)
+            resident = [int(r) for r in args.resident.split(",")]
+            rows = [against(wl, other, bw, resident) for wl in wls]
+            name = "against.json"
+        else:
+            rows = [floor(wl, bw) for wl in wls]
+            name = "floor.json"
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "floor.json").write_text(json.dumps({"bandwidth": bw, "rows": rows}, indent=1))
+        (out / name).write_text(json.dumps({"bandwidth": bw, "rows": rows}, indent=1))
         return 0
     if args.host:
         host = host_overhead(bp.all_workloads(args.mask)["llama8b-8k"])
@@ -348,7 +440,14 @@ def main() -> int:
         grid += [(16, 128, 8, 4, 0), (32, 256, 8, 8, 4)]
     # Both ways of finding kept rows (these workloads have 8 sequences): 46 quick
     # configurations, about a minute on an H200 for the five workloads.
-    grid = [(*cfg, cmp) for cfg in grid for cmp in (0, 32)]
+    grid = [(*cfg, cmp, 4) for cfg in grid for cmp in (0, 32)]
+    if args.persistent:
+        # Programs that loop over row blocks (_RESIDENT_PER_SM): the unit size (rows,
+        # column tiles) and the warps again, the interval compare only.
+        grid = [
+            (bt, 128, 8, nw, mt, 32, r)
+            for bt, nw, mt, r in itertools.product((32, 64), (4, 8), (4, 8, 16), (4, 8))
+        ]
     started = time.perf_counter()
     bw = bp.bandwidth(10)
     grid.append(_settings())

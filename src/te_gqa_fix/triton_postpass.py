@@ -5,24 +5,25 @@ Why a kernel: the PyTorch post-pass (:func:`te_gqa_fix.postpass.dead_row_masks` 
 8K tokens that is 26-42% of the attention backward (H200, bf16, 32/8 heads, d 128). The work that must be done is tiny: read
 the ``4 x (batch + 1)`` offsets and write zeros into the rows whose true gradient is 0.
 
-How: one launch. Program ``(r, s)`` owns a block of ``BLOCK_T`` rows of either dK/dV
-(``r < nblk_kv``) or dQ (the rest). One loop over the offsets (in chunks of up to 256)
-checks them and, for a batch of few sequences (``nseq + 1 <= _COMPARE_MAX_OFFSETS``),
-also finds the kept rows from the same loaded vectors: every sequence's kept interval
-(KV: ``pad_kv[j] + [lo_j, hi_j)``, the attended key interval from the valid offsets and
-the :class:`~te_gqa_fix.masks.KeySpan`, the formulas of
-:func:`te_gqa_fix.postpass._key_bounds`; dQ: ``pad_q[j] + [0, lq_j)`` when ``lk_j > 0``)
-compared with the program's rows. For more sequences each row finds its sequence by a
-binary search over the padded offsets instead, then that sequence's offsets. A program
-none of whose rows is dead returns at once; otherwise it stores zeros (masked stores:
-live rows are never written) into its share ``s`` of the column tiles of dK and dV
-(same program) or dQ. Packed
+How: one launch. The work is cut into units: a block of ``BLOCK_T`` rows of dK/dV or of
+dQ, and a share of that side's column tiles. A grid of ``_RESIDENT_PER_SM`` programs per
+SM loops over the units, each program taking every ``grid``-th one. A program reads the
+offsets once (in one chunk of up to 256, for a batch of few sequences, ``nseq + 1 <=
+_COMPARE_MAX_OFFSETS``), checks them, and keeps every sequence's kept interval in
+registers (KV: ``pad_kv[j] + [lo_j, hi_j)``, the attended key interval from the valid
+offsets and the :class:`~te_gqa_fix.masks.KeySpan`, the formulas of
+:func:`te_gqa_fix.postpass._key_bounds`; dQ: ``pad_q[j] + [0, lq_j)`` when ``lk_j >
+0``); each unit compares its rows with them. For more sequences (or offsets in several
+chunks) each unit reads the offsets again, and each row finds its sequence by a binary
+search over the padded offsets. A unit none of whose rows is dead stores nothing;
+otherwise it stores zeros (masked stores: live rows are never written) into its share
+of the column tiles of dK and dV (same unit) or dQ. Packed
 layouts (``[T, 2, H, D]``, ``[T, H, 2, D]``, ``[T, 3, H, D]``...) are addressed through
 their row, head and dim strides, never copied. Offsets are int64 in-kernel, so buffers
 beyond 2^31 elements are fine.
 
 Impossible offsets (negative, decreasing, a padded segment shorter than its valid length,
-a last buffer offset past the buffer) make every program zero nothing; the first records
+a last buffer offset past the buffer) make every unit zero nothing; the first records
 which argument in a pinned host word that :mod:`te_gqa_fix.offset_errors` reads at the
 next call (issue #13). No host sync (shapes and strides only), launched on the current stream of the tensors'
 device, no allocation (offsets that are not contiguous get a tiny device copy): safe
@@ -58,6 +59,9 @@ _seq_index_jit: Any = None
 _search_kept_jit: Any = None
 _zero_tiles_jit: Any = None
 _scan_offsets_jit: Any = None
+_read_offsets_jit: Any = None
+_reach_jit: Any = None
+_or_bits_jit: Any = None
 
 _kernel: Any = None
 _available: Optional[bool] = None
@@ -67,31 +71,33 @@ _sm_counts: Dict[int, int] = {}
 _HANDLED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _OFFSET_DTYPES = (torch.int32, torch.int64)
 
-#: Rows per program. Small enough that most programs of a large buffer exit after
-#: finding their kept rows (no dead row), large enough to keep the grid of a 128K-token
-#: buffer within one or two waves. BLOCK_T 32 with _MAX_TILES 8 was the best of the 28
-#: configurations of ``benchmarks/sweep_kernel.py --quick`` on an H200 (2026-11-30, with
-#: the offsets check of issue 13 in the kernel): at every workload no slower than the
-#: earlier 16/0 (llama-8k 11.6 vs 12.2 us, 32K 1.27x vs 1.50x the write bound, MQA-32K
-#: 1.78x vs 1.94x, 128K 1.11x both).
+#: Rows per unit. BLOCK_T 32, 128-column tiles, at most 4 tiles per tensor and unit, 4
+#: warps and 4 programs per SM were the best of ``benchmarks/sweep_kernel.py
+#: --persistent`` (24 configurations) on an H200 (2026-11-30): the only one within every
+#: goal but llama-8K's (results: benchmarks/results/2026-11-30-h200-looping-kernel).
 BLOCK_T = 32
 #: Elements per row in one store tile (a power of two).
 BLOCK_C = 128
-#: Aim for at least this many programs per SM (column tiles are split to get there).
+#: A side's column tiles are split into shares until there are this many units per SM
+#: (for buffers of few row blocks) ...
 _PROGRAMS_PER_SM = 8
 _NUM_WARPS = 4
-#: At most this many column tiles per tensor in one program (0: no cap). A cap splits the
-#: wide dQ rows of MQA/GQA over more programs when the row blocks alone fill the grid
-#: (more stores in flight per SM); benchmarks/sweep_kernel.py measures it.
-_MAX_TILES = 8
+#: ... and into at least enough shares that a unit stores at most this many tiles per
+#: tensor (0: no cap): smaller units balance the stores over the programs better.
+_MAX_TILES = 4
 #: Up to this many offsets (nseq + 1) a program finds its kept rows by comparing them with
 #: every sequence's interval (``SEARCH`` False: no loads beyond the offset check's); beyond,
-#: by a binary search per row. The compare costs BLOCK_T x nseq per program, the search
+#: by a binary search per row. The compare costs BLOCK_T x nseq per unit, the search
 #: N_ITER cached loads; on the H200 (2026-11-30) the compare was a little faster at 17
 #: and 32 offsets, 28% slower at 65 (32K tokens, llama heads) and 60% at 256; 0 = always
 #: search. In the launch plans' key, like the other launch settings; a wrapper keeps the
 #: plans it already built (set it before the first launch).
 _COMPARE_MAX_OFFSETS = 32
+#: Programs per SM in the launch grid, each looping over units ``grid`` apart. Until
+#: 2026-11-30 there was one program per unit, each reading the offsets before its first
+#: store; the time grew with the number of programs, and looping programs were 18%
+#: faster at MQA-32K and 3% at llama 32K/128K (same at 8K, 5% slower at MQA-8K).
+_RESIDENT_PER_SM = 4
 
 
 # --------------------------------------------------------------------------- kernel
@@ -243,6 +249,117 @@ def _zero_tiles(
         tl.store(ptr + (row_off[:, None] + col_off[None, :]), zero, mask=mask)
 
 
+def _read_offsets(
+    cu_q_ptr,
+    cu_kv_ptr,
+    pad_q_ptr,
+    pad_kv_ptr,
+    c,
+    nseq,
+    rows_q,
+    rows_kv,
+    window_left,
+    window_right,
+    EXACT: tl.constexpr,
+    TOP_LEFT: tl.constexpr,
+    BOTTOM_RIGHT: tl.constexpr,
+    HAS_WL: tl.constexpr,
+    HAS_WR: tl.constexpr,
+    SEARCH: tl.constexpr,
+    HAS_Q: tl.constexpr,
+    PAD_Q_BIT: tl.constexpr,
+    PAD_KV_BIT: tl.constexpr,
+    OFF_BLOCK: tl.constexpr,
+):
+    """Chunk ``c`` of the offsets: ``(err, f_kv, e_kv, f_q, e_q)``, one lane per offset.
+
+    ``err``: error bits (:data:`te_gqa_fix.offset_errors.ARGUMENT_BITS`) of impossible
+    offsets: negative or decreasing, a buffer segment shorter than its valid length (both
+    arguments named), the last buffer offset past the buffer (dQ only when there is a dQ).
+    When no padded offsets were passed the padded pointers are the valid ones and their
+    bits name the valid argument.
+
+    Unless ``SEARCH``, sequence ``j``'s kept rows: KV ``[f_kv, e_kv) = pad_kv[j] + [lo_j,
+    hi_j)`` (``[lo, hi)`` from :func:`_key_bounds`), dQ ``[f_q, e_q) = pad_q[j] + [0,
+    lq_j)`` when ``lk_j > 0``; lanes past the last sequence are empty.
+    """
+    lanes = tl.arange(0, OFF_BLOCK)
+    idx = c * OFF_BLOCK + lanes
+    has_off = idx <= nseq
+    has_seg = idx < nseq
+    cq0 = tl.load(cu_q_ptr + idx, mask=has_off, other=0).to(tl.int64)
+    cq1 = tl.load(cu_q_ptr + idx + 1, mask=has_seg, other=0).to(tl.int64)
+    ck0 = tl.load(cu_kv_ptr + idx, mask=has_off, other=0).to(tl.int64)
+    ck1 = tl.load(cu_kv_ptr + idx + 1, mask=has_seg, other=0).to(tl.int64)
+    pq0 = tl.load(pad_q_ptr + idx, mask=has_off, other=0).to(tl.int64)
+    pq1 = tl.load(pad_q_ptr + idx + 1, mask=has_seg, other=0).to(tl.int64)
+    pk0 = tl.load(pad_kv_ptr + idx, mask=has_off, other=0).to(tl.int64)
+    pk1 = tl.load(pad_kv_ptr + idx + 1, mask=has_seg, other=0).to(tl.int64)
+    # ---- impossible offsets
+    bad_cq = (has_off & (cq0 < 0)) | (has_seg & (cq1 < cq0))
+    bad_ck = (has_off & (ck0 < 0)) | (has_seg & (ck1 < ck0))
+    bad_pq = (has_off & (pq0 < 0)) | (has_seg & (pq1 < pq0))
+    bad_pk = (has_off & (pk0 < 0)) | (has_seg & (pk1 < pk0))
+    # A segment shorter than its valid length: the two arguments disagree, name both.
+    short_q = has_seg & (pq1 - pq0 < cq1 - cq0)
+    short_k = has_seg & (pk1 - pk0 < ck1 - ck0)
+    err = tl.where(bad_cq, 1, 0) | tl.where(bad_ck, 2, 0)
+    err = err | tl.where(bad_pq, PAD_Q_BIT, 0) | tl.where(bad_pk, PAD_KV_BIT, 0)
+    err = err | tl.where(short_q, PAD_Q_BIT | 1, 0) | tl.where(short_k, PAD_KV_BIT | 2, 0)
+    # Past the buffer: the last buffer offset of each side (the lane idx == nseq).
+    last = idx == nseq
+    err = err | tl.where(last & (pk0 > rows_kv), PAD_KV_BIT, 0)
+    if HAS_Q:
+        err = err | tl.where(last & (pq0 > rows_q), PAD_Q_BIT, 0)
+    zero = tl.zeros_like(cq0)
+    f_kv = zero
+    e_kv = zero
+    f_q = zero
+    e_q = zero
+    if not SEARCH:
+        # ---- kept intervals, one per sequence (lanes past the last one: empty)
+        lq = tl.where(has_seg, cq1 - cq0, zero)
+        lk = tl.where(has_seg, ck1 - ck0, zero)
+        lo, hi = _key_bounds_jit(
+            lq, lk, window_left, window_right, EXACT, TOP_LEFT, BOTTOM_RIGHT, HAS_WL, HAS_WR
+        )
+        f_kv = pk0 + lo
+        e_kv = pk0 + hi
+        f_q = pq0
+        e_q = pq0 + tl.where(lk > 0, lq, zero)
+    return err, f_kv, e_kv, f_q, e_q
+
+
+def _reach(first, end, row0, reach, BLOCK_T: tl.constexpr, SKIP_EMPTY: tl.constexpr):
+    """``reach`` updated with the kept intervals ``[first, end)`` for rows ``row0 + [0,
+    BLOCK_T)``: row ``row0 + i`` is kept iff ``reach[i] > i``.
+
+    Clamped to the rows they are ``[a_j, b_j)`` within ``[0, BLOCK_T]``, and row ``i`` is
+    in one iff the largest ``b_j`` over the ``j`` with ``a_j <= i`` exceeds ``i``: a
+    ``[BLOCK_T, lanes]`` compare-select-max, registers only. ``SKIP_EMPTY``: skipped when
+    no interval meets the rows (worth a test when the offsets come in several chunks).
+    """
+    rel = tl.arange(0, BLOCK_T)
+    zero = tl.zeros_like(first)
+    a = tl.minimum(tl.maximum(first - row0, zero), zero + BLOCK_T).to(tl.int32)
+    b = tl.minimum(tl.maximum(end - row0, zero), zero + BLOCK_T).to(tl.int32)
+    if SKIP_EMPTY:
+        if tl.max(b - a, axis=0) > 0:
+            ends = tl.where(a[None, :] <= rel[:, None], b[None, :], 0)
+            reach = tl.maximum(reach, tl.max(ends, axis=1))
+    else:
+        ends = tl.where(a[None, :] <= rel[:, None], b[None, :], 0)
+        reach = tl.maximum(reach, tl.max(ends, axis=1))
+    return reach
+
+
+def _or_bits(err):
+    """OR over the lanes of 4-bit error words, one bit at a time (old Tritons have no OR
+    reduction)."""
+    bits = tl.max(err & 1, axis=0) | tl.max(err & 2, axis=0)
+    return bits | tl.max(err & 4, axis=0) | tl.max(err & 8, axis=0)
+
+
 def _scan_offsets(
     cu_q_ptr,
     cu_kv_ptr,
@@ -268,81 +385,28 @@ def _scan_offsets(
     OFF_BLOCK: tl.constexpr,
     OFF_CHUNKS: tl.constexpr,
 ):
-    """One pass over the offsets: ``(error bits, reach)`` for rows ``row0 + [0, BLOCK_T)``.
+    """Every chunk of the offsets for one row block: ``(error bits, reach)`` for rows
+    ``row0 + [0, BLOCK_T)`` (``reach`` as in :func:`_reach`; unused with ``SEARCH``).
 
-    The error bits (:data:`te_gqa_fix.offset_errors.ARGUMENT_BITS`) flag impossible
-    offsets. Every program computes the same verdict from the same ``4 x (nseq + 1)``
-    offsets, so every program agrees to zero nothing when it is non-zero. Checks:
-    offsets negative or decreasing, a buffer segment shorter than its valid length (both
-    arguments named), the last buffer offset past the buffer (dQ only when there is a
-    dQ). When no padded offsets were passed the padded pointers are the valid ones and
-    their bits name the valid argument.
-
-    ``reach`` (unless ``SEARCH``): row ``row0 + i`` lies in a kept interval iff
-    ``reach[i] > i``. The kept intervals are, per sequence ``j``, for a KV row (``is_kv``)
-    ``[pad_kv[j] + lo_j, pad_kv[j] + hi_j)`` (``[lo, hi)`` from :func:`_key_bounds`), for
-    a dQ row ``[pad_q[j], pad_q[j] + lq_j)`` when ``lk_j > 0``. Clamped to the program's
-    rows they are ``[a_j, b_j)`` within ``[0, BLOCK_T]``, and row ``i`` is in one iff the
-    largest ``b_j`` over the ``j`` with ``a_j <= i`` exceeds ``i``: a ``[BLOCK_T,
-    OFF_BLOCK]`` compare-select-max, skipped for a chunk (of several) none of whose
-    intervals meets the program's rows. The same loaded vectors serve both, so a program's only loads
-    before its stores are these (one round of them for ``nseq + 1 <= OFF_BLOCK``).
+    The path for offsets that come in several chunks, or a batch the binary search serves:
+    read again for each row block. Every program computes the same error verdict from the
+    same ``4 x (nseq + 1)`` offsets, so every program agrees to zero nothing when it is
+    non-zero.
     """
-    lanes = tl.arange(0, OFF_BLOCK)
-    rel = tl.arange(0, BLOCK_T)
     err = tl.zeros([OFF_BLOCK], dtype=tl.int32)
     reach = tl.zeros([BLOCK_T], dtype=tl.int32)
     for c in range(OFF_CHUNKS):
-        idx = c * OFF_BLOCK + lanes
-        has_off = idx <= nseq
-        has_seg = idx < nseq
-        cq0 = tl.load(cu_q_ptr + idx, mask=has_off, other=0).to(tl.int64)
-        cq1 = tl.load(cu_q_ptr + idx + 1, mask=has_seg, other=0).to(tl.int64)
-        ck0 = tl.load(cu_kv_ptr + idx, mask=has_off, other=0).to(tl.int64)
-        ck1 = tl.load(cu_kv_ptr + idx + 1, mask=has_seg, other=0).to(tl.int64)
-        pq0 = tl.load(pad_q_ptr + idx, mask=has_off, other=0).to(tl.int64)
-        pq1 = tl.load(pad_q_ptr + idx + 1, mask=has_seg, other=0).to(tl.int64)
-        pk0 = tl.load(pad_kv_ptr + idx, mask=has_off, other=0).to(tl.int64)
-        pk1 = tl.load(pad_kv_ptr + idx + 1, mask=has_seg, other=0).to(tl.int64)
-        # ---- impossible offsets
-        bad_cq = (has_off & (cq0 < 0)) | (has_seg & (cq1 < cq0))
-        bad_ck = (has_off & (ck0 < 0)) | (has_seg & (ck1 < ck0))
-        bad_pq = (has_off & (pq0 < 0)) | (has_seg & (pq1 < pq0))
-        bad_pk = (has_off & (pk0 < 0)) | (has_seg & (pk1 < pk0))
-        # A segment shorter than its valid length: the two arguments disagree, name both.
-        short_q = has_seg & (pq1 - pq0 < cq1 - cq0)
-        short_k = has_seg & (pk1 - pk0 < ck1 - ck0)
-        err = err | tl.where(bad_cq, 1, 0) | tl.where(bad_ck, 2, 0)
-        err = err | tl.where(bad_pq, PAD_Q_BIT, 0) | tl.where(bad_pk, PAD_KV_BIT, 0)
-        err = err | tl.where(short_q, PAD_Q_BIT | 1, 0) | tl.where(short_k, PAD_KV_BIT | 2, 0)
-        # Past the buffer: the last buffer offset of each side (the lane idx == nseq).
-        last = idx == nseq
-        err = err | tl.where(last & (pk0 > rows_kv), PAD_KV_BIT, 0)
-        if HAS_Q:
-            err = err | tl.where(last & (pq0 > rows_q), PAD_Q_BIT, 0)
+        err_c, f_kv, e_kv, f_q, e_q = _read_offsets_jit(
+            cu_q_ptr, cu_kv_ptr, pad_q_ptr, pad_kv_ptr, c, nseq, rows_q, rows_kv, window_left,
+            window_right, EXACT, TOP_LEFT, BOTTOM_RIGHT, HAS_WL, HAS_WR, SEARCH, HAS_Q,
+            PAD_Q_BIT, PAD_KV_BIT, OFF_BLOCK,
+        )  # fmt: skip
+        err = err | err_c
         if not SEARCH:
-            # ---- kept intervals, one per sequence (lanes past the last one: empty)
-            zero = tl.zeros_like(cq0)
-            lq = tl.where(has_seg, cq1 - cq0, zero)
-            lk = tl.where(has_seg, ck1 - ck0, zero)
-            lo, hi = _key_bounds_jit(
-                lq, lk, window_left, window_right, EXACT, TOP_LEFT, BOTTOM_RIGHT, HAS_WL, HAS_WR
-            )
-            first = tl.where(is_kv, pk0 + lo, pq0)
-            end = tl.where(is_kv, pk0 + hi, pq0 + tl.where(lk > 0, lq, zero))
-            # Relative to this program's rows, clamped to [0, BLOCK_T]: small int32 values.
-            a = tl.minimum(tl.maximum(first - row0, zero), zero + BLOCK_T).to(tl.int32)
-            b = tl.minimum(tl.maximum(end - row0, zero), zero + BLOCK_T).to(tl.int32)
-            if OFF_CHUNKS == 1:
-                ends = tl.where(a[None, :] <= rel[:, None], b[None, :], 0)
-                reach = tl.maximum(reach, tl.max(ends, axis=1))
-            elif tl.max(b - a, axis=0) > 0:  # some interval of this chunk meets our rows
-                ends = tl.where(a[None, :] <= rel[:, None], b[None, :], 0)
-                reach = tl.maximum(reach, tl.max(ends, axis=1))
-    # OR over the lanes, one bit at a time (there is no OR reduction in old Tritons).
-    bits = tl.max(err & 1, axis=0) | tl.max(err & 2, axis=0)
-    bits = bits | tl.max(err & 4, axis=0) | tl.max(err & 8, axis=0)
-    return bits, reach
+            first = tl.where(is_kv, f_kv, f_q)
+            end = tl.where(is_kv, e_kv, e_q)
+            reach = _reach_jit(first, end, row0, reach, BLOCK_T, OFF_CHUNKS > 1)
+    return _or_bits_jit(err), reach
 
 
 def _postpass_kernel(
@@ -358,6 +422,12 @@ def _postpass_kernel(
     rows_q,
     rows_kv,
     nblk_kv,
+    nblk_q,
+    units_kv,
+    n_units,
+    split_kv,
+    split_q,
+    n_iter,
     h_q,
     d_q,
     sq_t,
@@ -395,59 +465,86 @@ def _postpass_kernel(
     PAD_KV_BIT: tl.constexpr,
     OFF_BLOCK: tl.constexpr,
     OFF_CHUNKS: tl.constexpr,
+    ONCE: tl.constexpr,
 ):
+    # Units: u < units_kv are dK/dV (row block u % nblk_kv, column share u // nblk_kv of
+    # split_kv), the rest dQ likewise (nblk_q, split_q). Program pid takes units pid,
+    # pid + n_prog, ... (n_iter of them at most).
     pid = tl.program_id(0)
-    split = tl.program_id(1)
-    n_split = tl.num_programs(1)
-    # Program pid < nblk_kv owns dK/dV rows, the rest dQ rows.
-    is_kv = pid < nblk_kv
-    blk = tl.where(is_kv, pid, pid - nblk_kv)
-    row0 = blk.to(tl.int64) * BLOCK_T
-    n_rows = tl.where(is_kv, rows_kv, rows_q)
-    bad, reach = _scan_offsets_jit(
-        cu_q_ptr, cu_kv_ptr, pad_q_ptr, pad_kv_ptr, nseq, rows_q, rows_kv, row0, is_kv,
-        window_left, window_right, EXACT, TOP_LEFT, BOTTOM_RIGHT, HAS_WL, HAS_WR, SEARCH,
-        HAS_Q, PAD_Q_BIT, PAD_KV_BIT, BLOCK_T, OFF_BLOCK, OFF_CHUNKS,
-    )  # fmt: skip
-    # Impossible offsets: every program zeroes nothing; the first records which argument
-    # into the pinned host word err_ptr (te_gqa_fix.offset_errors surfaces it).
-    if (bad != 0) & (pid == 0) & (split == 0):
-        tl.store(err_ptr, tl.load(err_ptr) | bad)
+    n_prog = tl.num_programs(0)
     rel = tl.arange(0, BLOCK_T)
-    rows = row0 + rel.to(tl.int64)
-    in_buf = rows < n_rows
-    if SEARCH:
-        # Many sequences: a compare against every sequence would cost BLOCK_T x nseq per
-        # program; a binary search per row costs N_ITER dependent (cached) loads.
-        if is_kv:
-            kept = _search_kept_jit(
-                pad_kv_ptr, cu_q_ptr, cu_kv_ptr, rows, in_buf, nseq, window_left,
-                window_right, EXACT, TOP_LEFT, BOTTOM_RIGHT, HAS_WL, HAS_WR, True, N_ITER,
-            )  # fmt: skip
-        else:
-            kept = _search_kept_jit(
-                pad_q_ptr, cu_q_ptr, cu_kv_ptr, rows, in_buf, nseq, window_left,
-                window_right, EXACT, TOP_LEFT, BOTTOM_RIGHT, HAS_WL, HAS_WR, False, N_ITER,
-            )  # fmt: skip
-    else:
-        kept = reach > rel
-    ok = (tl.zeros_like(rel) + bad) == 0  # per lane, so masks stay boolean vectors
-    dead = in_buf & (kept == 0) & ok
-    if tl.sum(dead.to(tl.int32), axis=0) > 0:
-        if is_kv:
-            _zero_tiles_jit(
-                dk_ptr, rows, dead, h_k, d_k, sk_t, sk_h, sk_d, split, n_split,
-                NT_K, BLOCK_T, BLOCK_C, BD_K,
-            )  # fmt: skip
-            _zero_tiles_jit(
-                dv_ptr, rows, dead, h_v, d_v, sv_t, sv_h, sv_d, split, n_split,
-                NT_V, BLOCK_T, BLOCK_C, BD_V,
-            )  # fmt: skip
-        else:
-            _zero_tiles_jit(
-                dq_ptr, rows, dead, h_q, d_q, sq_t, sq_h, sq_d, split, n_split,
-                NT_Q, BLOCK_T, BLOCK_C, BD_Q,
-            )  # fmt: skip
+    if ONCE:
+        # The offsets fit one chunk and no search: read and check them once per program,
+        # not once per row block (each read is a round trip to memory before any store).
+        err0, f_kv, e_kv, f_q, e_q = _read_offsets_jit(
+            cu_q_ptr, cu_kv_ptr, pad_q_ptr, pad_kv_ptr, 0, nseq, rows_q, rows_kv, window_left,
+            window_right, EXACT, TOP_LEFT, BOTTOM_RIGHT, HAS_WL, HAS_WR, SEARCH, HAS_Q,
+            PAD_Q_BIT, PAD_KV_BIT, OFF_BLOCK,
+        )  # fmt: skip
+        bad = _or_bits_jit(err0)
+    for it in range(n_iter):
+        u = pid + it * n_prog
+        if u < n_units:
+            is_kv = u < units_kv
+            v = tl.where(is_kv, u, u - units_kv)
+            nblk = tl.where(is_kv, nblk_kv, nblk_q)
+            n_split = tl.where(is_kv, split_kv, split_q)
+            split = v // nblk
+            blk = v - split * nblk
+            row0 = blk.to(tl.int64) * BLOCK_T
+            n_rows = tl.where(is_kv, rows_kv, rows_q)
+            if ONCE:
+                reach = _reach_jit(
+                    tl.where(is_kv, f_kv, f_q), tl.where(is_kv, e_kv, e_q), row0,
+                    tl.zeros([BLOCK_T], dtype=tl.int32), BLOCK_T, False,
+                )  # fmt: skip
+            else:
+                bad, reach = _scan_offsets_jit(
+                    cu_q_ptr, cu_kv_ptr, pad_q_ptr, pad_kv_ptr, nseq, rows_q, rows_kv, row0,
+                    is_kv, window_left, window_right, EXACT, TOP_LEFT, BOTTOM_RIGHT, HAS_WL,
+                    HAS_WR, SEARCH, HAS_Q, PAD_Q_BIT, PAD_KV_BIT, BLOCK_T, OFF_BLOCK, OFF_CHUNKS,
+                )  # fmt: skip
+            # Impossible offsets: every program zeroes nothing; unit 0 records which
+            # argument into the pinned host word err_ptr (te_gqa_fix.offset_errors).
+            if (bad != 0) & (u == 0):
+                tl.store(err_ptr, tl.load(err_ptr) | bad)
+            rows = row0 + rel.to(tl.int64)
+            in_buf = rows < n_rows
+            if SEARCH:
+                # Many sequences: a compare against every sequence would cost BLOCK_T x
+                # nseq per row block; a binary search per row costs N_ITER dependent
+                # (cached) loads.
+                if is_kv:
+                    kept = _search_kept_jit(
+                        pad_kv_ptr, cu_q_ptr, cu_kv_ptr, rows, in_buf, nseq, window_left,
+                        window_right, EXACT, TOP_LEFT, BOTTOM_RIGHT, HAS_WL, HAS_WR, True,
+                        N_ITER,
+                    )  # fmt: skip
+                else:
+                    kept = _search_kept_jit(
+                        pad_q_ptr, cu_q_ptr, cu_kv_ptr, rows, in_buf, nseq, window_left,
+                        window_right, EXACT, TOP_LEFT, BOTTOM_RIGHT, HAS_WL, HAS_WR, False,
+                        N_ITER,
+                    )  # fmt: skip
+            else:
+                kept = reach > rel
+            ok = (tl.zeros_like(rel) + bad) == 0  # per lane, so masks stay boolean vectors
+            dead = in_buf & (kept == 0) & ok
+            if tl.sum(dead.to(tl.int32), axis=0) > 0:
+                if is_kv:
+                    _zero_tiles_jit(
+                        dk_ptr, rows, dead, h_k, d_k, sk_t, sk_h, sk_d, split, n_split,
+                        NT_K, BLOCK_T, BLOCK_C, BD_K,
+                    )  # fmt: skip
+                    _zero_tiles_jit(
+                        dv_ptr, rows, dead, h_v, d_v, sv_t, sv_h, sv_d, split, n_split,
+                        NT_V, BLOCK_T, BLOCK_C, BD_V,
+                    )  # fmt: skip
+                else:
+                    _zero_tiles_jit(
+                        dq_ptr, rows, dead, h_q, d_q, sq_t, sq_h, sq_d, split, n_split,
+                        NT_Q, BLOCK_T, BLOCK_C, BD_Q,
+                    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- host
@@ -456,7 +553,7 @@ def _postpass_kernel(
 def _build() -> Any:
     """Import Triton and turn the functions above into (compiled or interpreted) kernels."""
     global tl, _key_bounds_jit, _seq_index_jit, _search_kept_jit, _zero_tiles_jit
-    global _scan_offsets_jit, _kernel
+    global _scan_offsets_jit, _read_offsets_jit, _reach_jit, _or_bits_jit, _kernel
     if _kernel is None:
         import triton
         import triton.language as triton_language
@@ -466,6 +563,9 @@ def _build() -> Any:
         _seq_index_jit = triton.jit(_seq_index)
         _search_kept_jit = triton.jit(_search_kept)
         _zero_tiles_jit = triton.jit(_zero_tiles)
+        _read_offsets_jit = triton.jit(_read_offsets)
+        _reach_jit = triton.jit(_reach)
+        _or_bits_jit = triton.jit(_or_bits)
         _scan_offsets_jit = triton.jit(_scan_offsets)
         _kernel = triton.jit(_postpass_kernel)
     return _kernel
@@ -620,7 +720,7 @@ def _launch_plan(
     key = (
         q_t.shape, q_t.stride(), q_t.dtype, dk.shape, dk.stride(), dk.dtype, dv.shape,
         dv.stride(), dv.dtype, has_q, nseq, span, dk.device, offset_dtypes, BLOCK_T,
-        BLOCK_C, _PROGRAMS_PER_SM, _NUM_WARPS, _MAX_TILES, _COMPARE_MAX_OFFSETS,
+        BLOCK_C, _PROGRAMS_PER_SM, _NUM_WARPS, _MAX_TILES, _COMPARE_MAX_OFFSETS, _RESIDENT_PER_SM,
         padded_given,
     )  # fmt: skip
     plan = _launch_plans.get(key)
@@ -650,18 +750,34 @@ def _make_launch_plan(
     widths = [int(t.shape[1]) * _next_pow2(int(t.shape[2])) for t in (q_t, dk, dv)]
     block_c = max(1, min(BLOCK_C, _next_pow2(max(widths))))
     tiles = [-(-w // block_c) for w in widths]
-    # Split the column tiles over grid axis 1 when the row blocks alone cannot fill the GPU.
-    target = _PROGRAMS_PER_SM * _sm_count(dk.device)
-    n_split = max(1, min(max(tiles), -(-target // max(1, nblk_kv + nblk_q)), 65535))
-    if _MAX_TILES > 0:
-        n_split = min(max(n_split, -(-max(tiles) // _MAX_TILES)), 65535)
-    nt_q, nt_k, nt_v = (-(-n // n_split) for n in tiles)
+    # Each side's column tiles are split into shares (one unit = a row block and a share)
+    # when the row blocks alone would give fewer than _PROGRAMS_PER_SM units per SM, and
+    # so that a unit stores at most _MAX_TILES tiles per tensor. Per side: MQA's one-head
+    # dK/dV rows are one tile, and shares of them would be empty units.
+    fill = -(-_PROGRAMS_PER_SM * _sm_count(dk.device) // max(1, nblk_kv + nblk_q))
+
+    def shares(n_tiles: int) -> int:
+        n = max(1, min(n_tiles, fill))
+        if _MAX_TILES > 0:
+            n = max(n, -(-n_tiles // _MAX_TILES))
+        return min(n, 65535)
+
+    split_kv = shares(max(tiles[1], tiles[2]))
+    split_q = shares(tiles[0]) if has_q else 1
+    nt_q = -(-tiles[0] // split_q)
+    nt_k, nt_v = (-(-n // split_kv) for n in tiles[1:])
+    # Units over a grid of at most _RESIDENT_PER_SM programs per SM, each looping over
+    # its units: the offsets are read once per program, not once per unit.
+    units_kv = nblk_kv * split_kv
+    units = units_kv + nblk_q * split_q
+    n_prog = min(units, max(1, _RESIDENT_PER_SM * _sm_count(dk.device)))
+    n_iter = -(-units // n_prog) if n_prog else 0
     exact = bool(span.exact)
     search = nseq + 1 > _COMPARE_MAX_OFFSETS
     has_wl = exact and span.window_left >= 0
     has_wr = exact and span.window_right >= 0
     scalars = (
-        nseq, rows_q, rows_kv, nblk_kv,
+        nseq, rows_q, rows_kv, nblk_kv, nblk_q, units_kv, units, split_kv, split_q, n_iter,
         int(q_t.shape[1]), int(q_t.shape[2]), *q_t.stride(),
         int(dk.shape[1]), int(dk.shape[2]), *dk.stride(),
         int(dv.shape[1]), int(dv.shape[2]), *dv.stride(),
@@ -687,6 +803,7 @@ def _make_launch_plan(
     )
     # Impossible-offset check (issue #13): five more constexprs and the error word.
     meta.update(offset_errors.kernel_meta(nseq, has_q, *padded_given))
+    meta["ONCE"] = not search and meta["OFF_CHUNKS"] == 1
     cuda = dk.device.type == "cuda"
     if cuda:
         meta["num_warps"] = _NUM_WARPS
@@ -695,7 +812,7 @@ def _make_launch_plan(
         index = torch.cuda.current_device()
     err = offset_errors.kernel_flag(dk.device)
     words = offset_errors.pending_words(dk.device)
-    return _LaunchPlan((nblk_kv + nblk_q, n_split), scalars, meta, index, err, words)
+    return _LaunchPlan((n_prog, 1), scalars, meta, index, err, words)
 
 
 # ----------------------------------------------------------------- the fast launch
