@@ -141,6 +141,29 @@ def _goal_us(wl: bp.Workload, bound: float) -> float:
     return bench_report.SMALL_US
 
 
+def _row(
+    mode: str,
+    wl: bp.Workload,
+    nbytes: int,
+    bw: Dict[str, float],
+    timings: Dict[str, Dict[str, Any]],
+    **extra: Any,
+) -> Dict[str, Any]:
+    """One workload's medians next to its bytes, bound and goal; printed as one line."""
+    bound = nbytes / (bw["copy_traffic_GBps"] * 1e3)
+    row: Dict[str, Any] = dict(workload=wl.name, mb=nbytes / 1e6, bound_us=bound, **extra)
+    row.update({k: v["median_us"] for k, v in timings.items()})
+    row["goal_us"] = _goal_us(wl, bound)
+    print(
+        f"{mode} {wl.name}: {nbytes / 1e6:.1f} MB, goal {row['goal_us']:.1f} us; "
+        + ", ".join(f"{k}={v}" for k, v in extra.items())
+        + "; "
+        + ", ".join(f"{k} {row[k]:.1f}" for k in timings),
+        flush=True,
+    )
+    return row
+
+
 def floor(wl: bp.Workload, bw: Dict[str, float], reps: int = 200) -> Dict[str, Any]:
     """The kernel next to what one launch writing the same bytes costs on this GPU.
 
@@ -155,16 +178,7 @@ def floor(wl: bp.Workload, bw: Dict[str, float], reps: int = 200) -> Dict[str, A
         **_contiguous_fills(nbytes),
     }
     t = bp.time_device_group(fns, reps, 10)
-    bound = nbytes / (bw["copy_traffic_GBps"] * 1e3)
-    row: Dict[str, Any] = dict(workload=wl.name, mb=nbytes / 1e6, bound_us=bound)
-    row.update({k: v["median_us"] for k, v in t.items()})
-    row["goal_us"] = _goal_us(wl, bound)
-    print(
-        f"floor {wl.name}: {nbytes / 1e6:.1f} MB, goal {row['goal_us']:.1f} us; "
-        + ", ".join(f"{k} {row[k]:.1f}" for k in fns),
-        flush=True,
-    )
-    return row
+    return _row("floor", wl, nbytes, bw, t)
 
 
 def load_kernel_module(path: str) -> Any:
@@ -219,16 +233,7 @@ def against(
         t = bp.time_device_group(fns, reps, 10)
     finally:
         tp._RESIDENT_PER_SM = saved
-    bound = nbytes / (bw["copy_traffic_GBps"] * 1e3)
-    row: Dict[str, Any] = dict(workload=wl.name, mb=nbytes / 1e6, bound_us=bound, same=same)
-    row.update({k: v["median_us"] for k, v in t.items()})
-    row["goal_us"] = _goal_us(wl, bound)
-    print(
-        f"against {wl.name}: same bytes {same}, goal {row['goal_us']:.1f} us; "
-        + ", ".join(f"{k} {row[k]:.1f}" for k in fns),
-        flush=True,
-    )
-    return row
+    return _row("against", wl, nbytes, bw, t, same=same)
 
 
 def host_overhead(wl: bp.Workload, n: int = 2000) -> Dict[str, float]:
