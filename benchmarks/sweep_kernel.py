@@ -156,8 +156,7 @@ def _row(
     row["goal_us"] = _goal_us(wl, bound)
     print(
         f"{mode} {wl.name}: {nbytes / 1e6:.1f} MB, goal {row['goal_us']:.1f} us; "
-        + ", ".join(f"{k}={v}" for k, v in extra.items())
-        + "; "
+        + "".join(f"{k}={v}; " for k, v in extra.items())
         + ", ".join(f"{k} {row[k]:.1f}" for k in timings),
         flush=True,
     )
