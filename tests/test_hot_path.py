@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import pytest
 import torch
 
+from fakes.cuda_checks import capture, no_host_sync
 from fakes.oracle import bits, make_ragged
 from fakes.te_outputs import FakeTE, assert_post_pass, call_arguments
 from te_gqa_fix import guard, postpass, triton_postpass
@@ -607,19 +608,9 @@ def test_gpu_wrapper_fast_path_no_sync_and_cuda_graph(monkeypatch: pytest.Monkey
     torch.cuda.synchronize()
     plans = [p for p in triton_postpass._launch_plans.values() if p.compiled]
     assert plans, "the direct launch was never armed"
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         call()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        call()
-        with torch.cuda.graph(graph, stream=stream):
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, _ = capture(call)
     dq.fill_(float("nan"))
     kv.fill_(float("nan"))
     graph.replay()

@@ -29,6 +29,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fakes.cuda_checks import capture, no_host_sync
 from fakes.interpreter import run_worker
 from te_gqa_fix import offset_errors, triton_postpass
 from te_gqa_fix.masks import KNOWN_MASK_TYPES, KeySpan, key_interval, key_span
@@ -680,21 +681,12 @@ def test_gpu_no_sync_and_cuda_graph() -> None:
 
     assert triton_postpass.zero_dead_rows_triton(*args, span=span)  # compile outside
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         assert triton_postpass.zero_dead_rows_triton(*args, span=span)
         zero_dead_rows(*args, attn_mask_type="padding_causal_bottom_right", impl="triton")
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        assert triton_postpass.zero_dead_rows_triton(*args, span=span)  # warm on this stream
-        with torch.cuda.graph(graph, stream=stream):
-            triton_postpass.zero_dead_rows_triton(*args, span=span)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, launched = capture(lambda: triton_postpass.zero_dead_rows_triton(*args, span=span))
+    assert launched  # warmed up on the capture stream, then captured
     buf.fill_(float("nan"))
     dq.fill_(float("nan"))
     graph.replay()

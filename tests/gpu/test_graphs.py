@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import te_gqa_fix
+from fakes.cuda_checks import capture, no_host_sync
 from te_gqa_fix.reproduce import (
     GRADS,
     compare,
@@ -71,11 +72,8 @@ def test_postpass_never_syncs(te, impl):
     dq = torch.randn(b.rows_q, 8, 64, device="cuda")
     offs = b.offsets("cuda")
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         te_gqa_fix.zero_dead_rows(dq, dk, dv, **offs, attn_mask_type=b.mask, impl=impl)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     dead = dead_masks(b)
     assert torch.count_nonzero(dk[dead.kv]) == 0 and torch.count_nonzero(dq[dead.q]) == 0
 
@@ -109,14 +107,7 @@ def test_postpass_graph_replay_new_offsets(te, impl, record):
             impl=impl,
         )
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        body()  # warm-up (Triton compiles here, outside capture)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
+    graph, _ = capture(body)  # warmed up first: Triton compiles outside capture
     for i in range(len(PATTERNS)):
         b = _batch(i)
         for k, v in b.offsets("cuda").items():
@@ -151,14 +142,7 @@ def test_te_backward_with_wrapper_in_graph(te, cudnn, affected, record):
     for label, fn in (("unpatched", original), ("patched", wrapper_for(original))):
         b = _batch(0)
         b.tensors = b0.tensors
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            run(fn, b)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = run(fn, b)
+        graph, out = capture(lambda fn=fn, b=b: run(fn, b))
         worst = None
         for i in range(len(PATTERNS)):
             bi = _batch(i)

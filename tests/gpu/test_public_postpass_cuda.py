@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import te_gqa_fix
+from fakes.cuda_checks import capture, no_host_sync
 from fakes.oracle import assert_rows, bits, expected_keep, make_ragged
 from te_gqa_fix import offset_errors, triton_postpass, zero_dead_rows
 from te_gqa_fix.masks import key_span
@@ -131,20 +132,14 @@ def test_impossible_offsets_zero_nothing_and_surface_at_the_next_call(impl: str,
     spoil(offs)
     dq.fill_(float("nan"))  # stale values: they must survive the refused call
     before = [t.clone() for t in (dq, dk, dv)]
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         zero_dead_rows(dq, dk, dv, *offs, impl=impl)  # no error yet, and no sync
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     for t, b in zip((dq, dk, dv), before):
         assert torch.equal(bits(t), bits(b)), "a call with impossible offsets stored zeros"
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         with pytest.raises(OffsetsError, match=rf"\b{name}\b.*impossible offsets in an earlier"):
             zero_dead_rows(dq, dk, dv, *good, impl=impl)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     zero_dead_rows(dq, dk, dv, *good, impl=impl)  # cleared: goes through
     te_gqa_fix.check_offset_errors(synchronize=True)
     assert not triton_postpass._broken, "the kernel failed (pinned error word refused?)"
@@ -168,14 +163,7 @@ def test_cuda_graph_replay_records_bad_offsets() -> None:
     ragged, dq, dk, dv = _case()
     offs = list(ragged.tensors("cuda"))
     good = [o.clone() for o in offs]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        zero_dead_rows(dq, dk, dv, *offs, impl="triton")  # warm-up on this stream
-        with torch.cuda.graph(graph, stream=stream):
-            zero_dead_rows(dq, dk, dv, *offs, impl="triton")
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, _ = capture(lambda: zero_dead_rows(dq, dk, dv, *offs, impl="triton"))
     torch.cuda.synchronize()
     te_gqa_fix.check_offset_errors()
     offs[1].copy_(torch.tensor([0, 9, 5, 6], dtype=torch.int32))
