@@ -1,12 +1,12 @@
 """Column tiles of a program cyclic (``split + i * n_split``, the kernel's order) or blocked
 (``split * N_TILES + i``), under six launch settings, interleaved, on the benchmark's
 workloads; and whether both write the same bytes. A copy of the kernel module with the
-one line changed is loaded from a temporary file (Triton needs the source on disk).
+one line changed is loaded by ``sweep_kernel.load_kernel_module``. ``tile_order.json`` was
+measured on the kernel of commit 03e9009 (one program per row block and share).
 
     PYTHONPATH=$PWD/src OUT=... python3 benchmarks/results/2026-11-30-h200-floor-and-host/tile_order.py
 """
 
-import importlib.util
 import json
 import os
 import sys
@@ -26,18 +26,9 @@ src = (ROOT / "src/te_gqa_fix/triton_postpass.py").read_text()
 old = "        tile = split + i * n_split\n"
 assert old in src
 blocked_src = src.replace(old, "        tile = split * N_TILES + i\n")
-d = tempfile.mkdtemp()
-path = Path(d) / "tp_blocked.py"
-path.write_text(
-    blocked_src.replace("from . import offset_errors", "from te_gqa_fix import offset_errors")
-    .replace("from ._logging", "from te_gqa_fix._logging")
-    .replace("from .masks", "from te_gqa_fix.masks")
-    .replace("from .validation", "from te_gqa_fix.validation")
-)
-spec = importlib.util.spec_from_file_location("tp_blocked", path)
-tpb = importlib.util.module_from_spec(spec)
-sys.modules["tp_blocked"] = tpb
-spec.loader.exec_module(tpb)
+path = Path(tempfile.mkdtemp()) / "triton_postpass_blocked.py"
+path.write_text(blocked_src)
+tpb = sk.load_kernel_module(str(path))
 
 rows = []
 for name, wl in bp.all_workloads("padding_causal_bottom_right").items():
