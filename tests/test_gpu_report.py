@@ -3,24 +3,17 @@ data file, and ``collect`` keeps what ``render`` needs (CPU only)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
+
+from fakes.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = sorted((ROOT / "docs" / "results").glob("*/run.json"))
 
 
 def _report():
-    spec = importlib.util.spec_from_file_location(
-        "te_gqa_fix_gpu_report", ROOT / "tests/gpu/report.py"
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("te_gqa_fix_gpu_report", ROOT / "tests/gpu/report.py")
 
 
 def test_each_run_is_one_data_file() -> None:

@@ -4,7 +4,6 @@ multi-GPU script's bookkeeping is checked before it ever reaches the GPU machine
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -14,20 +13,14 @@ from types import ModuleType
 import pytest
 import torch
 
+from fakes.scripts import load_script
+
 SCRIPT = Path(__file__).with_name("cp_check.py")
 
 
 @pytest.fixture(scope="module")
 def cc() -> ModuleType:
-    name = "te_gqa_fix_tests_cp_check"
-    mod = sys.modules.get(name)
-    if mod is None:
-        spec = importlib.util.spec_from_file_location(name, SCRIPT)
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return mod
+    return load_script("te_gqa_fix_tests_cp_check", SCRIPT)
 
 
 @pytest.fixture(scope="module")

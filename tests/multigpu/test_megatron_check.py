@@ -8,40 +8,29 @@ skips without matplotlib."""
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Dict, List, Optional
 
 import pytest
 
+from fakes.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 CHECK = ROOT / "tests" / "multigpu" / "megatron" / "check.py"
 EXAMPLE = ROOT / "examples" / "megatron_core.py"
 
 
-def _load(name: str, path: Path) -> ModuleType:
-    mod = sys.modules.get(name)
-    if mod is None:
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
 def ck() -> ModuleType:
-    return _load("te_gqa_fix_tests_megatron_check", CHECK)
+    return load_script("te_gqa_fix_tests_megatron_check", CHECK)
 
 
 @pytest.fixture(scope="module")
 def ex() -> ModuleType:
-    return _load("te_gqa_fix_tests_megatron_example", EXAMPLE)
+    return load_script("te_gqa_fix_tests_megatron_example", EXAMPLE)
 
 
 # ----------------------------------------------------------------------------- synthetic runs

@@ -33,6 +33,8 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
+from fakes.scripts import load_script
+
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -42,14 +44,7 @@ _MODULE = "te_gqa_fix_tests_cp_check"
 
 def _cp_check() -> ModuleType:
     """cp_check.py by path (it is a script, not part of any package)."""
-    mod = sys.modules.get(_MODULE)
-    if mod is None:
-        spec = importlib.util.spec_from_file_location(_MODULE, SCRIPT)
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[_MODULE] = mod
-        spec.loader.exec_module(mod)
-    return mod
+    return load_script(_MODULE, SCRIPT)
 
 
 def _under_torchrun() -> bool:
