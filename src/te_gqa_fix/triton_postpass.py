@@ -760,7 +760,7 @@ def _make_launch_plan(
         n = max(1, min(n_tiles, fill))
         if _MAX_TILES > 0:
             n = max(n, -(-n_tiles // _MAX_TILES))
-        return min(n, 65535)
+        return n
 
     split_kv = shares(max(tiles[1], tiles[2]))
     split_q = shares(tiles[0]) if has_q else 1
