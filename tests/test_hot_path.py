@@ -568,13 +568,201 @@ def test_plan_key_separates_offset_dtypes() -> None:
     assert a is not b and a is c
 
 
+# --------------------------------------------------------------------- fast lane
+
+
+class _Lane:
+    """A wrapper whose kernel route runs on CPU tensors with the launch recorded: the
+    tensors pretend to be on CUDA device 0 (as benchmarks/host_cpu.py does), Triton's
+    kernel and compiled kernel are the recording stand-ins above. ``general`` counts the
+    calls that took the general path (its first step, ``_prepare``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, version: str = "2.20") -> None:
+        self.compiled = _Compiled()
+        self.kernel = _Kernel(self.compiled)
+        self.hooks = _fake_cuda(monkeypatch, self.kernel)
+        self.fixed = False
+        self.general = 0
+        monkeypatch.setattr(wrapper_module, "_device_index", lambda q: 0)
+        monkeypatch.setattr(wrapper_module, "cudnn_fixed", lambda index: self.fixed)
+        monkeypatch.setattr(triton_postpass, "_available", True)
+        monkeypatch.setattr(triton_postpass, "_broken", False)
+        monkeypatch.setattr(triton_postpass, "_handles", lambda *a: True)
+        make_plan = triton_postpass._make_launch_plan
+
+        def on_device_0(*args: Any) -> Any:
+            plan = make_plan(*args)
+            plan.device_index = 0
+            return plan
+
+        monkeypatch.setattr(triton_postpass, "_make_launch_plan", on_device_0)
+        prepare = wrapper_module._prepare
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            self.general += 1
+            return prepare(*args, **kwargs)
+
+        monkeypatch.setattr(wrapper_module, "_prepare", counting)
+        for d in (3, 5):  # the head dims used here: decided, nothing to say
+            monkeypatch.setitem(guard._decisions, (0, d, d), None)
+        self.fake = FakeTE(version)
+        self.wrapped = make_wrapper(self.fake.fn)
+
+    def call(self, ragged: Any = RAGGED, **change: Any) -> Tuple[list, Dict[str, Any]]:
+        """One call as TE makes it: every argument by position, new tensors."""
+        arguments = call_arguments(self.fake.version, ragged, **change)
+        out = self.wrapped(*(arguments[n] for n in self.fake.names))
+        return out, arguments
+
+    def warm(self) -> None:
+        """Two calls: the first reads the settings, the second is recorded for the lane."""
+        for _ in range(2):
+            self.call()
+        assert self.general == 2
+
+
+def _pointers(out: list, arguments: Dict[str, Any]) -> tuple:
+    names = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
+    return tuple(t.data_ptr() for t in (*out[:3], *(arguments[n] for n in names)))
+
+
+def test_lane_serves_repeat_calls_with_new_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From the third call of a shape on, TE-style calls skip the general path and launch
+    directly, on this call's outputs and offsets."""
+    lane = _Lane(monkeypatch)
+    lane.warm()
+    assert len(lane.kernel.slow) == 1 and len(lane.compiled.launches) == 1
+    for i in range(3):
+        out, arguments = lane.call()
+        assert lane.general == 2, f"call {i + 3} took the general path"
+        launch = lane.compiled.launches[-1]
+        assert launch[9:16] == _pointers(out, arguments)
+    assert len(lane.kernel.slow) == 1 and len(lane.compiled.launches) == 4
+    assert call_counts() == {"calls": 5, "fixed": 5, "skipped": 0, "passthrough": 0}
+
+
+def test_lane_passes_through_on_fixed_cudnn(monkeypatch: pytest.MonkeyPatch) -> None:
+    lane = _Lane(monkeypatch)
+    lane.warm()
+    lane.fixed = True
+    lane.fake.backend.reset()
+    lane.call()
+    assert lane.general == 2 and len(lane.compiled.launches) == 1
+    assert call_counts()["skipped"] == 1
+    for name, (after, before) in lane.fake.backend.outputs.items():
+        assert torch.equal(bits(after), bits(before)), name
+
+
+def _noncontiguous(t: torch.Tensor) -> torch.Tensor:
+    return torch.stack([t, t], 1)[:, 0]
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["keywords", "policy", "validate", "shape", "layout", "noncontiguous", "guard", "broken"],
+)
+def test_lane_steps_aside_for_anything_new(monkeypatch: pytest.MonkeyPatch, change: str) -> None:
+    """Each of these sends the call through the general path (a given-up kernel: the
+    general post-pass after TE's call, checked against the oracle)."""
+    lane = _Lane(monkeypatch)
+    lane.warm()
+    ragged, kw, mask = RAGGED, {}, "padding_causal"
+    lane.fake.backend.reset()
+    if change == "keywords":
+        lane.wrapped(**call_arguments("2.20", RAGGED))
+    else:
+        if change == "policy":
+            monkeypatch.setenv("TE_GQA_FIX", "always")
+        elif change == "validate":
+            monkeypatch.setenv("TE_GQA_FIX_VALIDATE", "1")
+        elif change == "shape":
+            ragged = OTHER
+        elif change == "layout":
+            kw = dict(layout="thd_t2hd")
+        elif change == "guard":
+            monkeypatch.setitem(guard._decisions, (0, 3, 3), "head dims 3/3: unrepairable")
+            monkeypatch.setenv("TE_GQA_FIX_GUARD", "strict")
+        elif change == "broken":
+            monkeypatch.setattr(triton_postpass, "_broken", True)
+        if change == "noncontiguous":
+            arguments = call_arguments("2.20", RAGGED)
+            arguments["cu_seqlens_q"] = _noncontiguous(arguments["cu_seqlens_q"])
+            lane.wrapped(*(arguments[n] for n in lane.fake.names))
+        elif change == "guard":
+            with pytest.raises(guard.UnrepairableConfiguration):
+                lane.call()
+            return
+        else:
+            lane.call(ragged, **kw)
+    if change == "broken":  # the kernel was given up: the lane hands TE's outputs to the
+        # general post-pass, which runs PyTorch's
+        assert lane.general == 2 and len(lane.compiled.launches) == 1
+        _check(lane.fake, None, ragged, mask, (-1, -1), None)
+    else:
+        assert lane.general == 3
+
+
+def test_lane_follows_setting_changes_both_ways(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A changed setting clears the lane; set back, it is learned again (two calls)."""
+    lane = _Lane(monkeypatch)
+    lane.warm()
+    monkeypatch.setenv("TE_GQA_FIX", "off")
+    lane.fake.backend.reset()
+    lane.call()
+    assert lane.general == 3 and call_counts()["skipped"] == 1
+    for name, (after, before) in lane.fake.backend.outputs.items():
+        assert torch.equal(bits(after), bits(before)), name
+    monkeypatch.delenv("TE_GQA_FIX")
+    for _ in range(3):
+        lane.call()
+    assert lane.general == 5  # read the settings, record, then the lane
+
+
+def test_lane_checks_the_outputs_and_pending_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After TE's call: outputs of other metadata than recorded go to the launch cache
+    (a new plan, Triton's own launch) and are recorded; bad offsets recorded by an
+    earlier call raise before anything is launched, then the lane serves again."""
+    from fakes.te_outputs import FakeBackend
+    from te_gqa_fix import offset_errors
+
+    lane = _Lane(monkeypatch)
+    lane.warm()
+    plain = FakeBackend.__call__
+
+    def strided_dq(self: FakeBackend, args: Dict[str, Any]) -> list:
+        out = plain(self, args)
+        out[0] = out[0].transpose(0, 1).contiguous().transpose(0, 1)  # same shape, new strides
+        return out
+
+    monkeypatch.setattr(FakeBackend, "__call__", strided_dq)
+    out, arguments = lane.call()
+    assert lane.general == 2  # the inputs are as recorded
+    assert len(lane.kernel.slow) == 2, "the new output strides reused the recorded plan"
+    out, arguments = lane.call()  # recorded in the step before: the lane, directly
+    assert len(lane.kernel.slow) == 2 and lane.compiled.launches[-1][9:16] == _pointers(
+        out, arguments
+    )
+    direct = len(lane.compiled.launches)
+    words = offset_errors.pending_words(torch.device("cpu"))
+    try:
+        words[0] = offset_errors.ARGUMENT_BITS["cu_seqlens_kv"]
+        with pytest.raises(offset_errors.OffsetsError, match=r"^cu_seqlens_kv\b"):
+            lane.call()
+        assert len(lane.compiled.launches) == direct, "launched despite the recorded error"
+        lane.call()  # cleared: the lane again
+        assert len(lane.compiled.launches) == direct + 1 and lane.general == 2
+    finally:
+        offset_errors._reset()
+
+
 # --------------------------------------------------------------------- GPU
 
 
 @pytest.mark.gpu
 def test_gpu_wrapper_fast_path_no_sync_and_cuda_graph(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The wrapper's steady state (cached plan, direct launch) syncs nothing and replays
-    inside a captured CUDA graph; a fake original stands in for TE (no TE needed)."""
+    """The wrapper's steady state (the fast lane: cached plan, direct launch) syncs
+    nothing and replays inside a captured CUDA graph; a fake original stands in for TE
+    (no TE needed)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     pytest.importorskip("triton")
@@ -598,19 +786,24 @@ def test_gpu_wrapper_fast_path_no_sync_and_cuda_graph(monkeypatch: pytest.Monkey
     pad = torch.tensor([0, 512, 1024, 1536], **i32)
     q = torch.zeros(rows, h_q, d, device=dev, dtype=torch.bfloat16)
     k = torch.zeros(rows, h_kv, d, device=dev, dtype=torch.bfloat16)
-    kw = dict(cu_seqlens_q_padded=pad, cu_seqlens_kv_padded=pad, qkv_layout="thd_thd_thd")
+    general: List[int] = []
+    prepare = wrapper_module._prepare
+    monkeypatch.setattr(wrapper_module, "_prepare", lambda *a: (general.append(1), prepare(*a))[1])
 
-    def call() -> None:
-        wrapped(512, 512, cu_q, cu_kv, q, k, k, **kw)
+    def call() -> None:  # every argument by position, as TE calls it: the fast lane
+        wrapped(512, 512, cu_q, cu_kv, q, k, k, pad, pad, "thd_thd_thd", "padding_causal",
+                (-1, -1))  # fmt: skip
 
     call()
-    call()  # the second call takes the direct launch
+    call()  # the second call takes the direct launch, and is recorded for the lane
     torch.cuda.synchronize()
     plans = [p for p in triton_postpass._launch_plans.values() if p.compiled]
     assert plans, "the direct launch was never armed"
     with no_host_sync():
         call()
+    assert len(general) == 2, "the third call did not take the fast lane"
     graph, _ = capture(call)
+    assert len(general) == 2, "the captured call did not take the fast lane"
     dq.fill_(float("nan"))
     kv.fill_(float("nan"))
     graph.replay()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Literal
+from typing import Any, Dict, Literal, Optional, Tuple
 
 from ._logging import log_once
 
@@ -59,6 +59,25 @@ def read_env(name: str) -> str:
         return "" if value is None else env.decodevalue(value)  # type: ignore[attr-defined]
     except Exception:
         return env.get(name, "")
+
+
+def env_mapping() -> Optional[Tuple[Dict[Any, Any], Any, Any]]:
+    """``(dict, encoded TE_GQA_FIX, encoded TE_GQA_FIX_VALIDATE)``: the dict behind
+    ``os.environ`` and the keys both settings are stored under, or None where
+    ``os.environ`` is not the POSIX mapping.
+
+    Why: the wrapper's fast lane re-checks on every call that neither setting changed
+    since it last read them, by the identity of the stored values (two dict lookups,
+    no decoding); any change sends the call through :func:`get_policy` and
+    :func:`deep_validation_enabled` again.
+    """
+    env = os.environ
+    try:
+        data = env._data  # type: ignore[attr-defined]
+        keys = tuple(env.encodekey(n) for n in (ENV_POLICY, ENV_VALIDATE))  # type: ignore[attr-defined]
+    except Exception:
+        return None
+    return (data, keys[0], keys[1]) if isinstance(data, dict) else None
 
 
 def get_policy() -> Policy:

@@ -836,14 +836,18 @@ def _current_device() -> int:
 
 
 def _hooks_clear() -> bool:
-    """No launch hooks (profilers): the direct launch may skip them. Else use Triton's path."""
+    """No launch hooks (profilers): the direct launch may skip them. Else use Triton's path.
+
+    A hook is None, or (Triton 3.6) a chain whose ``calls`` list is empty when unused.
+    """
     knobs = _runtime_knobs
     if knobs is None:
         return False
-    for hook in (knobs.launch_enter_hook, knobs.launch_exit_hook):
-        if hook is not None and getattr(hook, "calls", True):
-            return False
-    return True
+    hook = knobs.launch_enter_hook
+    if hook is not None and getattr(hook, "calls", True):
+        return False
+    hook = knobs.launch_exit_hook
+    return hook is None or not getattr(hook, "calls", True)
 
 
 def _capture(plan: _LaunchPlan, align: object, ret: Any, kernel: Any, n_tensors: int) -> None:
@@ -1032,6 +1036,13 @@ class Launches:
     def __init__(self) -> None:
         self.plans: Dict[tuple, Any] = {}
 
+    def direct(self, key: tuple) -> Optional[_LaunchPlan]:
+        """The plan for outputs of metadata ``key`` (:func:`output_key`) once its direct
+        launch is armed (the first launch compiled and captured it), else None. What the
+        wrapper's fast lane keeps for a call shape."""
+        plan = self.plans.get(key)
+        return plan if type(plan) is _LaunchPlan and plan.fast is not None else None
+
     def launch(
         self,
         dq: Optional[torch.Tensor],
@@ -1043,16 +1054,12 @@ class Launches:
         """Zero the dead rows with the kernel; False (nothing done) when it cannot."""
         if _broken:
             return False
-        q_t = dk if dq is None else dq
-        if not (type(q_t) in _PLAIN and type(dk) in _PLAIN and type(dv) in _PLAIN):
+        key = output_key(dq, dk, dv)
+        if key is None:
             _handles(dq, dk, dv, offsets)  # says why not, once
             return False
-        key = (
-            dq is None, q_t.shape, q_t.stride(), q_t.dtype, q_t.get_device(),
-            dk.shape, dk.stride(), dk.dtype, dk.get_device(),
-            dv.shape, dv.stride(), dv.dtype, dv.get_device(),
-        )  # fmt: skip
         plan = self.plans.get(key)
+        q_t = dk if dq is None else dq
         if plan is None:
             # What an earlier call recorded comes first, as on every other path.
             offset_errors.raise_pending(dk.device)
@@ -1074,27 +1081,36 @@ class Launches:
         words = plan.words
         if words[0] | words[1]:  # bad offsets recorded by an earlier call on this device
             offset_errors.raise_pending(dk.device)
-        cu_q, cu_kv, pad_q, pad_kv = offsets
-        if not cu_q.is_contiguous():
-            cu_q = cu_q.contiguous()
-        if not cu_kv.is_contiguous():
-            cu_kv = cu_kv.contiguous()
-        if pad_q is None:
-            pad_q = cu_q
-        elif not pad_q.is_contiguous():
-            pad_q = pad_q.contiguous()
-        if pad_kv is None:
-            pad_kv = cu_kv
-        elif pad_kv is offsets[2]:  # TE's context-parallel paths pass one tensor for both
-            pad_kv = pad_q
-        elif not pad_kv.is_contiguous():
-            pad_kv = pad_kv.contiguous()
         try:
-            _run(plan, (q_t, dk, dv, cu_q, cu_kv, pad_q, pad_kv))
+            _run(plan, _tensors(q_t, dk, dv, *offsets))
         except Exception as exc:  # compile or launch failure: never leave rows unzeroed
             _give_up(exc)
             return False
         return True
+
+
+def output_key(dq: Optional[torch.Tensor], dk: torch.Tensor, dv: torch.Tensor) -> Optional[tuple]:
+    """What a launch plan depends on in TE's outputs: shape, strides, dtype and device
+    index of each gradient (dQ's only when it is fixed). None for anything but plain
+    tensors, which go to the PyTorch post-pass.
+
+    One key for both caches that hold plans by outputs: :class:`Launches` and the
+    wrapper's fast lane, which compares it with the key it recorded.
+    """
+    if not (type(dk) in _PLAIN and type(dv) in _PLAIN):
+        return None
+    if dq is None:
+        return (
+            None, dk.shape, dk.stride(), dk.dtype, dk.get_device(),
+            dv.shape, dv.stride(), dv.dtype, dv.get_device(),
+        )  # fmt: skip
+    if type(dq) not in _PLAIN:
+        return None
+    return (
+        dq.shape, dq.stride(), dq.dtype, dq.get_device(),
+        dk.shape, dk.stride(), dk.dtype, dk.get_device(),
+        dv.shape, dv.stride(), dv.dtype, dv.get_device(),
+    )  # fmt: skip
 
 
 def zero_dead_rows_triton(
