@@ -350,6 +350,8 @@ def time_direct(
     modes: Dict[str, Callable[[], None]],
     rounds: int,
     warmup: int = 10,
+    before: Optional[Callable[[], Any]] = None,
+    suffix: str = "",
     **timer: Any,
 ) -> Tuple[Dict[str, Dict[str, Any]], Dict[str, Dict[str, Any]]]:
     """Host time the wrapper adds around a stub of ``te_fn`` returning ``out``, per mode.
@@ -360,6 +362,12 @@ def time_direct(
     one call did (the wrapper's call counters and whether it returned the stub's object):
     the proof that the post-pass mode ran the post-pass and the pass-through did not.
     ``timer`` goes to :func:`time_host_group` (``sync``, ``clock``, ``chunk``).
+
+    ``before`` (untimed) runs before every timed call, the stub's included, and
+    ``suffix`` goes on every timing name: with TE's own call as ``before``, the wrapper
+    runs in the state TE's call leaves the host in (its caches full of TE's work), as
+    in training, where back-to-back calls around a stub keep the wrapper's code and data
+    hot. The difference between the two is what the paired overhead adds to the direct.
     """
     from te_gqa_fix import call_counts
 
@@ -373,18 +381,28 @@ def time_direct(
     def wrapper_call() -> Any:
         return wrapped(*pos, **rest)
 
+    def then(setup: Callable[[], None]) -> Callable[[], None]:
+        if before is None:
+            return setup
+
+        def both() -> None:
+            setup()
+            before()
+
+        return both
+
     checks: Dict[str, Dict[str, Any]] = {}
-    fns: Dict[str, Callable[[], Any]] = {"stub_host": stub_call}
-    setups: Dict[str, Callable[[], None]] = {"stub_host": lambda: None}
+    fns: Dict[str, Callable[[], Any]] = {"stub_host" + suffix: stub_call}
+    setups: Dict[str, Callable[[], None]] = {"stub_host" + suffix: then(lambda: None)}
     try:
         for name, setup in modes.items():
             setup()
-            before = call_counts()
+            counted = call_counts()
             got = wrapper_call()
             after = call_counts()
-            checks[name] = {k: after[k] - before[k] for k in after}
-            checks[name]["returned_stub_output"] = got is out
-            fns[name], setups[name] = wrapper_call, setup
+            checks[name + suffix] = {k: after[k] - counted[k] for k in after}
+            checks[name + suffix]["returned_stub_output"] = got is out
+            fns[name + suffix], setups[name + suffix] = wrapper_call, then(setup)
         return time_host_group(fns, setups, rounds, warmup=warmup, **timer), checks
     finally:
         stub.release()  # type: ignore[attr-defined]
@@ -411,6 +429,36 @@ def check_no_sync(fn: Callable[[], Any]) -> str:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     return result
+
+
+#: When this process started timing (for :func:`host_context`).
+T_START = time.monotonic()
+
+
+def host_context(start: float = T_START) -> Dict[str, Any]:
+    """What else the host was doing when a workload's host times were taken: seconds
+    since the run started, the load average, this process's threads and child processes.
+
+    Why: in one run the host times of the first workloads (TE's own call included) read
+    1.5x those of the rest; these say whether that was the run's first seconds, other
+    load, or helper processes (compile workers) of this one.
+    """
+    out: Dict[str, Any] = {"t_s": round(time.monotonic() - start, 1)}
+    try:
+        out["loadavg"] = [round(x, 2) for x in os.getloadavg()]
+        out["threads"] = len(os.listdir("/proc/self/task"))
+        me, kids = str(os.getpid()), 0
+        for pid in os.listdir("/proc"):
+            if pid.isdigit():
+                try:
+                    with open(f"/proc/{pid}/stat") as f:
+                        kids += f.read().rsplit(")", 1)[1].split()[1] == me
+                except OSError:
+                    continue
+        out["children"] = kids
+    except (OSError, AttributeError):  # not Linux: the time alone
+        pass
+    return out
 
 
 def bandwidth(reps: int) -> Dict[str, float]:
@@ -720,6 +768,24 @@ def run_workload(wl: Workload, te: TE, args: argparse.Namespace) -> Dict[str, An
         traceback.print_exc()
     finally:
         guard._fixed[dev_index] = False
+
+    # The same again, each timed call (stub or wrapper) right after an untimed call of
+    # TE's own function: the host state of training, where TE's backward runs between
+    # two of the wrapper's calls. Rounds as for the paired timing (a TE call each).
+    try:
+        direct, modes_done = time_direct(
+            te.original, bwd(), bwd_kw,
+            {"wrapper_stub_host": decide(False), "passthrough_stub_host": decide(True)},
+            rounds, before=bwd_pos, suffix="_after_te",
+        )  # fmt: skip
+        res["timings"].update(direct)
+        res["checks"].setdefault("direct_modes", {}).update(modes_done)
+    except Exception as exc:
+        res["errors"]["host_direct_after_te"] = f"{type(exc).__name__}: {exc}"[:400]
+        traceback.print_exc()
+    finally:
+        guard._fixed[dev_index] = False
+    res["host_context"] = host_context()
 
     # Workarounds that block the host, against the wrapper in the same (wall) mode.
     if not args.skip_workarounds:

@@ -236,6 +236,53 @@ HOST_TABLE_NOTE = (
 )
 
 
+def wake_table(reports: Sequence[Dict[str, Any]]) -> List[str]:
+    """The direct overheads again, each timed call right after an untimed call of TE's
+    own function (``*_after_te`` timings), beside the back-to-back ones; with when in the
+    run they were taken and what else the host was doing. Empty for runs without them."""
+    rows = []
+    for report in reports:
+        for res in report.get("workloads", []):
+            after = _t(res, "wrapper_stub_host_after_te", "overhead_us")
+            if after is None:
+                continue
+            ctx = res.get("host_context", {})
+            load = ctx.get("loadavg") or ["-"]
+            rows.append(
+                f"| {label(report)} | {res['workload']['name']} | {ctx.get('t_s', '-')} s | "
+                f"{load[0]} | {ctx.get('children', '-')} | "
+                f"{_fmt(_t(res, 'stub_host'), 'us')} | "
+                f"{_fmt(_t(res, 'stub_host_after_te'), 'us')} | "
+                f"{_fmt(_t(res, 'wrapper_stub_host', 'overhead_us'), 'us')} | "
+                f"{_fmt(after, 'us')} | "
+                f"{_fmt(_t(res, 'wrapper_host', 'overhead_us'), 'us')} | "
+                f"{_fmt(_t(res, 'passthrough_stub_host', 'overhead_us'), 'us')} | "
+                f"{_fmt(_t(res, 'passthrough_stub_host_after_te', 'overhead_us'), 'us')} | "
+                f"{_fmt(_t(res, 'passthrough_host', 'overhead_us'), 'us')} |"
+            )
+    if not rows:
+        return []
+    return [
+        "| build | workload | taken at | load (1 min) | child processes | stub | "
+        "stub after TE | post-pass direct | post-pass direct after TE | post-pass paired | "
+        "pass-through direct | pass-through direct after TE | pass-through paired |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *rows,
+    ]
+
+
+#: Under the wake table's heading.
+WAKE_TABLE_NOTE = (
+    "The direct overheads measured twice: back to back around the stub (as above), and "
+    "with an untimed call of TE's own `fused_attn_bwd` before every timed call, stub or "
+    "wrapper (after TE), so that the wrapper runs in the state TE's call leaves the host "
+    "in, as in training. The paired overhead is repeated for comparison. Taken at: "
+    "seconds since the benchmark process started timing; load and child processes: what "
+    "else the host was doing then. Not a goal column: the goals above stay decided on "
+    "the back-to-back direct overhead."
+)
+
+
 def workaround_table(report: Dict[str, Any]) -> List[str]:
     lines = [
         "| workload | wrapper (device) | bwd + masked_fill post-pass | expand K/V to MHA "
@@ -338,6 +385,9 @@ def results_block(reports: Sequence[Dict[str, Any]]) -> str:
         lines += [f"- {stack_line(report)}"]
     lines += ["", "### Host time per call", "", HOST_TABLE_NOTE, ""]
     lines += host_table(reports)
+    wake = wake_table(reports)
+    if wake:
+        lines += ["", "### Host overhead in TE's wake", "", WAKE_TABLE_NOTE, "", *wake]
     for report in reports:
         lines += ["", f"### Post-pass cost, {label(report)} (device time, medians)", ""]
         lines += device_table(report)
