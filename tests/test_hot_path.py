@@ -360,6 +360,38 @@ def test_direct_launch_after_first_normal_launch(monkeypatch: pytest.MonkeyPatch
     assert launch[17:] == expected[8:]
 
 
+class _Driver:
+    """Stands in for libcuda: answers cuPointerGetAttribute with a fixed address."""
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+        self.asked: List[int] = []
+
+    def cuPointerGetAttribute(self, out: Any, attribute: Any, pointer: Any) -> int:
+        import ctypes
+
+        self.asked.append(attribute.value)
+        ctypes.cast(out, ctypes.POINTER(ctypes.c_uint64))[0] = 0xABC0
+        return self.status
+
+
+@pytest.mark.parametrize("status", [0, 1])
+def test_direct_launch_passes_the_error_words_device_address(
+    monkeypatch: pytest.MonkeyPatch, status: int
+) -> None:
+    """Asked once when the launch is armed, the driver's device address of the pinned
+    error word goes to the launcher as an int; a driver that cannot say: the tensor."""
+    compiled = _Compiled()
+    _fake_cuda(monkeypatch, _Kernel(compiled))
+    driver = _Driver(status)
+    monkeypatch.setattr(triton_postpass, "_libcuda", driver)
+    plan, tensors = _plan_and_tensors()
+    for _ in range(3):
+        triton_postpass._run(plan, tensors)
+    assert driver.asked == [triton_postpass._CU_POINTER_ATTRIBUTE_DEVICE_POINTER]
+    assert [launch[16] for launch in compiled.launches] == [0xABC0 if status == 0 else plan.err] * 2
+
+
 def test_direct_launch_keys_on_pointer_alignment(monkeypatch: pytest.MonkeyPatch) -> None:
     """Triton specializes pointers on 16-byte alignment: a misaligned view must not reuse
     the kernel compiled for aligned pointers."""

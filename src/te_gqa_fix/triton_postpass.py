@@ -39,6 +39,7 @@ False, and the caller falls back to the PyTorch implementation.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from typing import Any, Dict, Optional, Tuple
 
@@ -884,7 +885,38 @@ def _capture(plan: _LaunchPlan, align: object, ret: Any, kernel: Any, n_tensors:
     run = ret.run  # property: loads the module on first use
     plan.compiled[align] = (run, ret.function, ret.packed_metadata)
     if align == 0:
-        plan.fast = (run, ret.function, ret.packed_metadata, (plan.err, *plan.tail))
+        err = _device_address(plan.err)
+        plan.fast = (run, ret.function, ret.packed_metadata, (err, *plan.tail))
+
+
+_CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 3
+_libcuda: Any = None
+
+
+def _device_address(err: torch.Tensor) -> Any:
+    """The pinned error word's device address as an int, else ``err`` itself.
+
+    Why: for a tensor argument Triton's launcher calls ``data_ptr()`` and then asks the
+    driver for the device address (``cuPointerGetAttribute(...DEVICE_POINTER)``) on every
+    launch. The word is the same pinned memory for the process's lifetime (the plan
+    holds it), so the direct launch asks the driver the same question once, here, and
+    hands the launcher the answer as an int, as it does for the other seven pointers.
+    Where the driver cannot be asked (no libcuda: tests, the interpreter) the tensor is
+    passed as before.
+    """
+    global _libcuda
+    try:
+        if _libcuda is None:
+            _libcuda = ctypes.CDLL("libcuda.so.1")
+        address = ctypes.c_uint64(0)
+        status = _libcuda.cuPointerGetAttribute(
+            ctypes.byref(address),
+            ctypes.c_int(_CU_POINTER_ATTRIBUTE_DEVICE_POINTER),
+            ctypes.c_uint64(err.data_ptr()),
+        )
+    except Exception:  # OSError (no driver), AttributeError: keep the tensor
+        return err
+    return address.value if status == 0 and address.value else err
 
 
 def _run(plan: _LaunchPlan, tensors: tuple) -> None:
