@@ -144,7 +144,8 @@ def test_auto_passes_through_on_fixed_cudnn(monkeypatch: pytest.MonkeyPatch) -> 
         for name, (after, before) in fake.backend.outputs.items():
             assert torch.equal(bits(after), bits(before)), f"{name} was modified"
     assert ran == [] and guards == []
-    assert call_counts() == {"calls": 3, "fixed": 0, "skipped": 3, "passthrough": 0}
+    # The first call reads the settings; the fast lane passes the other two through.
+    assert call_counts() == {"calls": 3, "fixed": 0, "skipped": 3, "passthrough": 0, "fast_lane": 2}
 
 
 def test_always_still_runs_the_post_pass_on_fixed_cudnn(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -670,7 +671,46 @@ def test_lane_serves_repeat_calls_with_new_tensors(monkeypatch: pytest.MonkeyPat
         launch = lane.compiled.launches[-1]
         assert launch[9:16] == _pointers(out, arguments)
     assert len(lane.kernel.slow) == 1 and len(lane.compiled.launches) == 4
-    assert call_counts() == {"calls": 5, "fixed": 5, "skipped": 0, "passthrough": 0}
+    assert call_counts() == {"calls": 5, "fixed": 5, "skipped": 0, "passthrough": 0, "fast_lane": 3}
+
+
+@pytest.mark.parametrize("n_positional", [0, 12, 20])
+def test_lane_serves_calls_with_keywords(
+    monkeypatch: pytest.MonkeyPatch, n_positional: int
+) -> None:
+    """TE's context-parallel call sites pass the first twelve arguments by position and the
+    rest by keyword: the same lane, keyed on TE's layout rule (which layout argument was
+    given), serves them from the third call on."""
+    from fakes.te_outputs import split_call
+
+    lane = _Lane(monkeypatch)
+    for i in range(4):
+        arguments = call_arguments("2.20", RAGGED)
+        args, kwargs = split_call(lane.fake.names, arguments, n_positional)
+        out = lane.wrapped(*args, **kwargs)
+        assert lane.general == min(i + 1, 2), f"call {i + 1}"
+        assert i == 0 or lane.compiled.launches[-1][9:16] == _pointers(out, arguments)
+    assert call_counts()["fixed"] == 4
+
+
+def test_lane_keys_on_which_layout_argument_was_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wrapper reads ``dqkv_layout`` when the call gives it, else ``qkv_layout``: a
+    call that gives ``dqkv_layout`` its default value must not be served by the entry of
+    calls that left it out (TE 2.20's default is ``sbh3d``, not THD: nothing to do)."""
+    lane = _Lane(monkeypatch)
+    default = inspect.signature(lane.fake.fn).parameters["dqkv_layout"].default
+    assert default == "sbh3d"
+    for _ in range(3):
+        arguments = call_arguments("2.20", RAGGED)
+        del arguments["dqkv_layout"]
+        lane.wrapped(**arguments)
+    assert lane.general == 2 and call_counts()["fixed"] == 3
+    arguments = call_arguments("2.20", RAGGED)
+    arguments["dqkv_layout"] = default
+    launches = len(lane.compiled.launches)
+    lane.wrapped(**arguments)
+    assert lane.general == 3 and len(lane.compiled.launches) == launches
+    assert call_counts()["skipped"] == 1
 
 
 def test_lane_passes_through_on_fixed_cudnn(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -43,22 +43,24 @@ __all__ = [
 ]
 
 
-_COUNT_NAMES = ("calls", "fixed", "skipped", "passthrough")
-_CALLS, _FIXED, _SKIPPED, _PASSTHROUGH = range(4)
+_COUNT_NAMES = ("calls", "fixed", "skipped", "passthrough", "fast_lane")
+_CALLS, _FIXED, _SKIPPED, _PASSTHROUGH, _FAST_LANE = range(5)
 #: One plain list, indexed by the constants above: an item increment is about a third of
 #: a Counter's, and the wrapper counts twice per call.
-_counts: List[int] = [0, 0, 0, 0]
+_counts: List[int] = [0, 0, 0, 0, 0]
 
 
 def call_counts() -> Dict[str, int]:
     """How many calls went through any wrapper: ``calls``, ``fixed`` (post-pass ran),
-    ``skipped`` (understood, nothing to do: MHA, non-THD, policy off) and ``passthrough``
-    (not understood; logged once). Plain Python counters: no device work."""
+    ``skipped`` (understood, nothing to do: MHA, non-THD, policy off, fixed cuDNN) and
+    ``passthrough`` (not understood; logged once); ``fast_lane``: of all calls, those the
+    fast lane served (a shape already seen: see ``_Lane``). Plain Python counters: no
+    device work."""
     return dict(zip(_COUNT_NAMES, _counts))
 
 
 def reset_call_counts() -> None:
-    _counts[:] = [0, 0, 0, 0]
+    _counts[:] = [0, 0, 0, 0, 0]
 
 
 _THD_LAYOUTS: Dict[str, Tuple[bool, bool]] = {
@@ -388,6 +390,12 @@ _LANE_ARGS = (
     "bottom_right_diagonal", "dqkv_layout",
 )  # fmt: skip
 _LANE_REQUIRED = 10  # the first ten; the last two are absent from older TE signatures
+#: The same for a call with keyword arguments (TE's context-parallel call sites), read
+#: by the binder's picker: TE's layout rule (``layout_name``: which of the two layout
+#: arguments was given, and ``layout``: its value) in the two layout slots. A learned
+#: entry of a positional call has a layout there, never ``"qkv_layout"`` or
+#: ``"dqkv_layout"``, so the two kinds of key cannot meet.
+_LANE_ARGS_BY_NAME = (*_LANE_ARGS[:9], "layout_name", "bottom_right_diagonal", "layout")
 
 
 class _Lane:
@@ -398,10 +406,10 @@ class _Lane:
     direct launch in separate steps (each with its own lookups, each reading the same
     tensors' metadata again): about 7 us of Python per call in benchmarks/host_cpu.py,
     on a budget of 15 us that also holds the kernel launch. TE calls ``fused_attn_bwd`` with every argument by
-    position, the same shapes on every layer and step: the lane takes exactly that call.
+    position (its context-parallel paths: the first twelve by position, the rest by
+    keyword), the same shapes on every layer and step: the lane takes both.
 
-    Per call it checks, in order: no keyword arguments and every argument it reads given
-    by position; ``TE_GQA_FIX`` and ``TE_GQA_FIX_VALIDATE`` are the very values it last
+    Per call it checks, in order: ``TE_GQA_FIX`` and ``TE_GQA_FIX_VALIDATE`` are the very values it last
     read (any change clears the lane); q, k, v and the four offsets are plain tensors,
     q on CUDA; the fixed-cuDNN pass-through; the key (every input fact the general
     path's decision depends on, plus the offsets' contiguity); the head-dim guard
@@ -412,7 +420,7 @@ class _Lane:
     the general path, which also records what the lane may serve next time.
     """
 
-    __slots__ = ("entries", "env", "need", "pick", "snap")
+    __slots__ = ("entries", "env", "need", "pick", "pick_by_name", "snap")
 
     def __init__(self, binder: _Args) -> None:
         positions = [binder.positions.get(n) for n in _LANE_ARGS]
@@ -425,6 +433,7 @@ class _Lane:
         at = [mask_at if i is None else i for i in positions]
         self.pick = operator.itemgetter(*at)
         self.need = max(i for i in positions if i is not None) + 1
+        self.pick_by_name = binder.picker(_LANE_ARGS_BY_NAME)
         #: call-shape key -> (decision, guard key, output key, launch plan)
         self.entries: Dict[tuple, tuple] = {}
         #: [lane on (None: settings never read), raw TE_GQA_FIX, raw TE_GQA_FIX_VALIDATE,
@@ -488,6 +497,7 @@ def _new_wrapper(original: Callable) -> Callable:
     lane = _new_lane(binder)
     if lane is not None:
         entries, snap, pick, need = lane.entries, lane.snap, lane.pick, lane.need
+        pick_by_name = lane.pick_by_name
         data, key_policy, key_validate = lane.env  # type: ignore[misc]
 
     @functools.wraps(original)
@@ -504,10 +514,14 @@ def _new_wrapper(original: Callable) -> Callable:
         key = None
         # The fast lane (see _Lane): all in this one frame, since every call and
         # lookup costs on a path TE takes once per layer and step.
-        if lane is not None and not kwargs and len(args) >= need and snap[0]:
+        if lane is not None and snap[0]:
             if data.get(key_policy) is snap[1]:
                 if data.get(key_validate) is snap[2]:
-                    q, k, v, cu_q, cu_kv, pad_q, pad_kv, mask, window, lay, brd, dlay = pick(args)
+                    q, k, v, cu_q, cu_kv, pad_q, pad_kv, mask, window, lay, brd, dlay = (
+                        pick(args)
+                        if not kwargs and len(args) >= need
+                        else pick_by_name(args, kwargs)
+                    )
                     T = _Tensor
                     if (
                         type(q) is T and type(k) is T and type(v) is T and type(cu_q) is T
@@ -517,7 +531,8 @@ def _new_wrapper(original: Callable) -> Callable:
                         if dev is not None:
                             if snap[3] and cudnn_fixed(dev):
                                 _counts[_SKIPPED] += 1
-                                return original(*args)
+                                _counts[_FAST_LANE] += 1
+                                return original(*args, **kwargs)
                             key = (
                                 lay, dlay, mask, window, brd, dev, q.shape, k.shape,
                                 k.get_device(), v.shape, v.get_device(),
@@ -536,7 +551,8 @@ def _new_wrapper(original: Callable) -> Callable:
                                 entry[1] is None or _guard_decisions.get(entry[1], 0) is None
                             ):
                                 plan, _, okey, launch = entry
-                                out = original(*args)
+                                _counts[_FAST_LANE] += 1
+                                out = original(*args, **kwargs)
                                 if type(out) in _SEQUENCES and len(out) > 2:
                                     dq = out[0] if plan.fix_q else None
                                     dk, dv = out[1], out[2]
