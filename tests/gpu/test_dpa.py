@@ -100,3 +100,48 @@ def test_dpa_thd_gqa(te, cudnn, affected, heads, record):
     assert exact(patched), patched
     if affected:
         assert corrupted(unpatched), unpatched
+
+
+def test_dpa_steady_state_through_the_fast_lane(te, cudnn, affected, monkeypatch, record):
+    """Training repeats one shape every step: from the third step on, TE's own call (all
+    33 arguments by position) is served by the wrapper's fast lane (the general path is
+    not entered), and every step is exact after a poisoned workspace, on both builds
+    (affected: the lane's post-pass; fixed: its pass-through)."""
+    from te_gqa_fix import wrapper as wrapper_module
+
+    batch = make_batch(
+        [40, 0, 64, 0, 17],
+        [48, 30, 64, 12, 17],
+        heads_q=8,
+        heads_kv=2,
+        head_dim=128,
+        dtype=torch.bfloat16,
+        gap_q=[2, 0, 4, 1, 3],
+        gap_kv=[0, 2, 0, 4, 1],
+        tail=5,
+        mask="padding_causal",
+    )
+    random_inputs(batch, seed=11)
+    refs = references(batch)
+    general = []
+    prepare = wrapper_module._prepare
+    monkeypatch.setattr(wrapper_module, "_prepare", lambda *a: (general.append(1), prepare(*a))[1])
+    te_gqa_fix.install()
+    te_gqa_fix.reset_call_counts()
+    try:
+        steps = [compare(batch, _dpa_step(te, batch, poison=True), refs) for _ in range(5)]
+    finally:
+        te_gqa_fix.uninstall()
+    counts = te_gqa_fix.call_counts()
+    record(
+        cudnn=".".join(map(str, cudnn)),
+        affected=affected,
+        counts=counts,
+        general_path_calls=len(general),
+        **steps[-1],
+    )
+    assert counts["calls"] == 5, counts
+    assert len(general) <= 2 and counts["calls"] - len(general) >= 3, (len(general), counts)
+    assert counts["fixed" if not cudnn_is_fixed(cudnn) else "skipped"] == 5, counts
+    for i, res in enumerate(steps):
+        assert exact(res), (i, res)

@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""Where the wrapper's host time goes in TE's wake: its Python against its kernel launch.
+
+Why: ``bench_postpass.py`` measures the wrapper around a stub of TE's function twice,
+back to back (about 14 us) and with an untimed call of TE's own function before every
+timed call (about twice that, as the paired overhead against TE reads). This splits
+both into parts, each timed against the stub in the same interleaved rounds:
+
+* ``wrapper``: the wrapper around the stub, post-pass forced (the fast lane);
+* ``wrapper_no_launch``: the same with ``triton_postpass._run`` a no-op (its Python alone);
+* ``launch``: ``triton_postpass._run`` alone on the same plan and gradients (the launch);
+* ``torch_op``: one tiny ``torch`` op on the GPU (the price of any launch from Python).
+
+GPU machine, TE staged (``source .gpu-kit/env.sh``)::
+
+    python3 benchmarks/wake_split.py --out DIR [--workloads llama8b-8k,mqa-32k]
+
+Writes ``DIR/wake_split.json`` (medians and overheads in us, the stack, the command) and
+prints a table. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Callable, Dict, List
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+for _path in (ROOT / "src", ROOT / "benchmarks"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+import bench_postpass as bp  # noqa: E402
+
+from te_gqa_fix import guard, triton_postpass  # noqa: E402
+from te_gqa_fix.reproduce import call_by_name  # noqa: E402
+from te_gqa_fix.wrapper import wrapper_for  # noqa: E402
+
+
+def split(wl: bp.Workload, te: bp.TE, rounds: int) -> Dict[str, Any]:
+    dev, dtype = "cuda", getattr(torch, wl.dtype)
+    i32 = dict(dtype=torch.int32, device=dev)
+    cu_q, cu_kv = torch.tensor(wl.cu(wl.lq), **i32), torch.tensor(wl.cu(wl.lk), **i32)
+    pad = torch.tensor(wl.pad, **i32)
+    max_s = -(-max(b - a for a, b in zip(wl.pad[:-1], wl.pad[1:])) // 64) * 64
+    q, d_o = (torch.randn(wl.rows, wl.h_q, wl.d, device=dev, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(wl.rows, wl.h_kv, wl.d, device=dev, dtype=dtype) for _ in range(2))
+    common = bp._common(wl, cu_q, cu_kv, pad, max_s)
+    out, aux = call_by_name(
+        te.fwd, **common, is_training=True, q=q, k=k, v=v, fake_dtype=dtype,
+        fused_attention_backend=te.backend,
+    )[:2]  # fmt: skip
+    kw = bp._call_kwargs(
+        te.original,
+        dict(common, q=q, k=k, v=v, o=out, d_o=d_o, fake_dtype=dtype, aux_ctx_tensors=aux,
+             fused_attention_backend=te.backend),
+    )  # fmt: skip
+    pos, rest = bp.positional(te.original, kw)
+    grads = te.original(*pos, **rest)
+    stub = bp.make_stub(te.original, grads)
+    wrapped = wrapper_for(stub)
+    index = torch.cuda.current_device()
+    guard._fixed[index] = False  # post-pass forced, also on a fixed cuDNN
+    for _ in range(3):  # decide, record, then the lane
+        wrapped(*pos, **rest)
+    torch.cuda.synchronize()
+    plans = [p for p in triton_postpass._launch_plans.values() if p.fast is not None]
+    plan = plans[-1]
+    tensors = (grads[0], grads[1], grads[2], cu_q, cu_kv, pad, pad)
+    tiny = torch.zeros(1, device=dev)
+    run = triton_postpass._run
+
+    def no_launch() -> None:
+        triton_postpass._run = lambda plan, tensors: None  # type: ignore[assignment]
+
+    def real_launch() -> None:
+        triton_postpass._run = run  # type: ignore[assignment]
+
+    fns: Dict[str, Callable[[], Any]] = {
+        "stub": lambda: stub(*pos, **rest),
+        "wrapper": lambda: wrapped(*pos, **rest),
+        "wrapper_no_launch": lambda: wrapped(*pos, **rest),
+        "launch": lambda: run(plan, tensors),
+        "torch_op": lambda: tiny.add_(1),
+    }
+    result: Dict[str, Any] = {"workload": wl.name}
+    try:
+        for mode, before in (("back_to_back", None), ("after_te", lambda: te.original(*pos))):
+
+            def then(setup: Callable[[], None], before: Any = before) -> Callable[[], None]:
+                return setup if before is None else (lambda: (setup(), before()))
+
+            setups = {n: then(no_launch if n == "wrapper_no_launch" else real_launch) for n in fns}
+            timed = bp.time_host_group(fns, setups, rounds, warmup=5)
+            result[mode] = {
+                n: {"median_us": t["median_us"], "overhead_us": t.get("overhead_us")}
+                for n, t in timed.items()
+            }
+    finally:
+        real_launch()
+        stub.release()  # type: ignore[attr-defined]
+        guard._fixed.pop(index, None)
+    return result
+
+
+def main(argv: List[str] = sys.argv[1:]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--workloads", default="llama8b-8k,mqa-32k")
+    p.add_argument("--rounds", type=int, default=150)
+    args = p.parse_args(argv)
+    te = bp.TE()
+    workloads = bp.all_workloads("padding_causal_bottom_right")
+    report: Dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(shlex.quote(a) for a in ["python3", *sys.argv]),
+        "stack": bp.stack_info(),
+        "results": [split(workloads[n], te, args.rounds) for n in args.workloads.split(",")],
+    }
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "wake_split.json").write_text(json.dumps(report, indent=1, default=str))
+    names = ["wrapper", "wrapper_no_launch", "launch", "torch_op"]
+    print("| workload | mode | stub | " + " | ".join(f"{n} (over stub)" for n in names) + " |")
+    for r in report["results"]:
+        for mode in ("back_to_back", "after_te"):
+            t = r[mode]
+            cells = " | ".join(f"{t[n]['overhead_us']:.1f} us" for n in names)
+            print(f"| {r['workload']} | {mode} | {t['stub']['median_us']:.1f} us | {cells} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
