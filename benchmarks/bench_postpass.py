@@ -1205,6 +1205,13 @@ def selftest_stub(wl: Workload) -> None:
             rounds=20, warmup=2, sync=lambda: None,
         )  # fmt: skip
         after = call_counts()
+        # In TE's wake: ``before`` runs ahead of every timed call (and warm-up call), the
+        # stub's included, and every name carries the suffix.
+        ran: List[int] = []
+        wake, wake_modes = time_direct(
+            te_fn, out, kw, {"wrapper_stub_host": env("auto")}, rounds=10, warmup=2,
+            sync=lambda: None, before=lambda: ran.append(1), suffix="_after_te",
+        )  # fmt: skip
     finally:
         os.environ.pop("TE_GQA_FIX", None)
         if policy is not None:
@@ -1221,6 +1228,9 @@ def selftest_stub(wl: Workload) -> None:
     # One check call per mode, then per mode 2 warm-up + 20 timed calls.
     assert after["fixed"] - before["fixed"] == 1 + 22 and fixed_right(out), (before, after)
     assert after["skipped"] - before["skipped"] == 1 + 22, (before, after)
+    assert list(wake) == ["stub_host_after_te", "wrapper_stub_host_after_te"], wake
+    assert list(wake_modes) == ["wrapper_stub_host_after_te"], wake_modes
+    assert len(ran) == 2 * (2 + 10), len(ran)
     print(
         "time_direct on CPU: post-pass "
         f"{timings['wrapper_stub_host']['overhead_us']:.1f} us, pass-through "

@@ -68,3 +68,20 @@ def test_raw_results_without_direct_timings_render(tmp_path: Path) -> None:
     rest_after, head = _split(readme.read_text(), bench_report.HEADLINE)
     assert rest_after == rest_before
     assert "us of host time per call to TE's" in " ".join(head.split())
+
+
+def test_wake_table_renders_from_runs_that_have_it(tmp_path: Path) -> None:
+    """Round 5's raw results have the direct timings in TE's wake: one row per workload and
+    build; older results have none, and no table."""
+    new = BENCH / "results" / "2026-11-30-h200-te2.20.2-round5-lane"
+    reports = bench_report.load(
+        [str(new / "system" / "bench.json"), str(new / "pip" / "bench.json")]
+    )
+    rows = bench_report.wake_table(reports)
+    n = sum(len(r["workloads"]) for r in reports)
+    assert len(rows) == 2 + n and n == 12
+    res = reports[0]["workloads"][0]
+    after = res["timings"]["wrapper_stub_host_after_te"]["overhead_us"]
+    assert f"{after:.1f} us" in rows[2] and f"{res['host_context']['t_s']} s" in rows[2]
+    old = bench_report.load([str(RAW / "system" / "bench.json")])
+    assert bench_report.wake_table(old) == []

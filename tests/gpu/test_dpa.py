@@ -57,9 +57,8 @@ def _dpa_step(te, batch, poison: bool):
     return [q.grad, k.grad, v.grad]
 
 
-@pytest.mark.parametrize("heads", [(8, 2), (16, 1)])
-def test_dpa_thd_gqa(te, cudnn, affected, heads, record):
-    hq, hkv = heads
+def _batch(hq: int, hkv: int, seed: int):
+    """Five sequences, two of them without queries, gaps between them and tail rows."""
     batch = make_batch(
         [40, 0, 64, 0, 17],
         [48, 30, 64, 12, 17],
@@ -72,7 +71,14 @@ def test_dpa_thd_gqa(te, cudnn, affected, heads, record):
         tail=5,
         mask="padding_causal",
     )
-    random_inputs(batch, seed=7)
+    random_inputs(batch, seed=seed)
+    return batch
+
+
+@pytest.mark.parametrize("heads", [(8, 2), (16, 1)])
+def test_dpa_thd_gqa(te, cudnn, affected, heads, record):
+    hq, hkv = heads
+    batch = _batch(hq, hkv, seed=7)
     refs = references(batch)
 
     te_gqa_fix.uninstall()
@@ -109,19 +115,7 @@ def test_dpa_steady_state_through_the_fast_lane(te, cudnn, affected, monkeypatch
     (affected: the lane's post-pass; fixed: its pass-through)."""
     from te_gqa_fix import wrapper as wrapper_module
 
-    batch = make_batch(
-        [40, 0, 64, 0, 17],
-        [48, 30, 64, 12, 17],
-        heads_q=8,
-        heads_kv=2,
-        head_dim=128,
-        dtype=torch.bfloat16,
-        gap_q=[2, 0, 4, 1, 3],
-        gap_kv=[0, 2, 0, 4, 1],
-        tail=5,
-        mask="padding_causal",
-    )
-    random_inputs(batch, seed=11)
+    batch = _batch(8, 2, seed=11)
     refs = references(batch)
     general = []
     prepare = wrapper_module._prepare

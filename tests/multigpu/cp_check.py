@@ -252,6 +252,21 @@ def max_abs(a: torch.Tensor, b: Optional[torch.Tensor], rows: torch.Tensor) -> f
 # ----------------------------------------------------------------------------- the run
 
 
+def _forward(dpa: Any, b: Any, q: Any, k: Any, v: Any, cu: Any, cu_pad: Any) -> Any:
+    """One THD forward of ``dpa`` (one GPU or this rank's part) on batch ``b``'s offsets."""
+    return dpa(
+        q,
+        k,
+        v,
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu_pad,
+        cu_seqlens_kv_padded=cu_pad,
+        max_seqlen_q=b.max_seqlen,
+        max_seqlen_kv=b.max_seqlen,
+    )
+
+
 @dataclass
 class Case:
     """One shape of the sweep: the packed batch (``reproduce.ThdBatch``, self-attention:
@@ -457,17 +472,7 @@ class Runner:
         )
         cu, cu_pad = self.cu(b)
         q, k, v = (b.tensor(n).detach().clone().requires_grad_() for n in ("q", "k", "v"))
-        out = dpa(
-            q,
-            k,
-            v,
-            cu_seqlens_q=cu,
-            cu_seqlens_kv=cu,
-            cu_seqlens_q_padded=cu_pad,
-            cu_seqlens_kv_padded=cu_pad,
-            max_seqlen_q=b.max_seqlen,
-            max_seqlen_kv=b.max_seqlen,
-        )
+        out = _forward(dpa, b, q, k, v, cu, cu_pad)
         out.backward(b.tensor("dout").reshape(out.shape))
         self.sync()
         return {
@@ -537,17 +542,7 @@ class Runner:
                 b.tensor(n).index_select(0, mine).contiguous().requires_grad_()
                 for n in ("q", "k", "v")
             )
-            out = dpa(
-                q,
-                k,
-                v,
-                cu_seqlens_q=cu,
-                cu_seqlens_kv=cu,
-                cu_seqlens_q_padded=cu_pad,
-                cu_seqlens_kv_padded=cu_pad,
-                max_seqlen_q=b.max_seqlen,
-                max_seqlen_kv=b.max_seqlen,
-            )
+            out = _forward(dpa, b, q, k, v, cu, cu_pad)
             self.poison()
             out.backward(dout.reshape(out.shape))
             self.sync()
