@@ -74,10 +74,11 @@ def env_mapping() -> Optional[Tuple[Dict[Any, Any], Any, Any]]:
     env = os.environ
     try:
         data = env._data  # type: ignore[attr-defined]
-        keys = tuple(env.encodekey(n) for n in (ENV_POLICY, ENV_VALIDATE))  # type: ignore[attr-defined]
+        encode = env.encodekey  # type: ignore[attr-defined]
+        key_policy, key_validate = encode(ENV_POLICY), encode(ENV_VALIDATE)
     except Exception:
         return None
-    return (data, keys[0], keys[1]) if isinstance(data, dict) else None
+    return (data, key_policy, key_validate) if isinstance(data, dict) else None
 
 
 def get_policy() -> Policy:

@@ -405,19 +405,21 @@ class _Lane:
     Why: the general path resolves the policy, the decision, the launch plan and the
     direct launch in separate steps (each with its own lookups, each reading the same
     tensors' metadata again): about 7 us of Python per call in benchmarks/host_cpu.py,
-    on a budget of 15 us that also holds the kernel launch. TE calls ``fused_attn_bwd`` with every argument by
-    position (its context-parallel paths: the first twelve by position, the rest by
-    keyword), the same shapes on every layer and step: the lane takes both.
+    on a budget of 15 us that also holds the kernel launch. TE calls ``fused_attn_bwd``
+    with every argument by position (its context-parallel paths: the first twelve by
+    position, the rest by keyword), the same shapes on every layer and step: the lane
+    takes both.
 
-    Per call it checks, in order: ``TE_GQA_FIX`` and ``TE_GQA_FIX_VALIDATE`` are the very values it last
-    read (any change clears the lane); q, k, v and the four offsets are plain tensors,
-    q on CUDA; the fixed-cuDNN pass-through; the key (every input fact the general
-    path's decision depends on, plus the offsets' contiguity); the head-dim guard
-    decided with nothing to say. After TE's call: the outputs' key equals the one
-    recorded (:func:`te_gqa_fix.triton_postpass.output_key`), no bad offsets are pending
-    and the kernel has not been given up; then it launches through
+    Per call it checks, in order: ``TE_GQA_FIX`` and ``TE_GQA_FIX_VALIDATE`` are the
+    very values it last read (any change clears the lane); q, k, v and the four offsets
+    are plain tensors, q on CUDA; the fixed-cuDNN pass-through; the key (every input
+    fact the general path's decision depends on, plus the offsets' contiguity); the
+    head-dim guard decided with nothing to say. After TE's call: the outputs' key equals
+    the one recorded (:func:`te_gqa_fix.triton_postpass.output_key`), no bad offsets are
+    pending and the kernel has not been given up; then it launches through
     :func:`te_gqa_fix.triton_postpass._run`, the one direct launch. Anything else takes
-    the general path, which also records what the lane may serve next time.
+    the general path, which also records what the lane may serve next time; outputs of
+    new metadata go to the general post-pass and are recorded as well.
     """
 
     __slots__ = ("entries", "env", "need", "pick", "pick_by_name", "snap")
