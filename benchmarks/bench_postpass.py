@@ -46,6 +46,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -526,6 +527,35 @@ def _common(wl: Workload, cu_q, cu_kv, pad, max_s: int) -> Dict[str, Any]:
     )
 
 
+def backward_arguments(
+    wl: Workload, te: Any, randn: Callable[..., torch.Tensor], device: str = "cuda"
+) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """``(common, bwd_kw)`` of one workload, the one recipe for what the benchmarks pass
+    TE: ``wl``'s offsets on ``device`` and the arguments both directions share
+    (:func:`_common`), then q, k, v and d_o from ``randn(*shape)`` in that order, TE's
+    forward (``te.fwd``) run once on them, and the keyword arguments TE's backward
+    (``te.original``) takes, with that forward's output and auxiliary tensors.
+    """
+    i32 = dict(dtype=torch.int32, device=device)
+    cu_q, cu_kv = torch.tensor(wl.cu(wl.lq), **i32), torch.tensor(wl.cu(wl.lk), **i32)
+    pad = torch.tensor(wl.pad, **i32)
+    max_s = -(-max(b - a for a, b in zip(wl.pad[:-1], wl.pad[1:])) // 64) * 64
+    q = randn(wl.rows, wl.h_q, wl.d)
+    k, v = randn(wl.rows, wl.h_kv, wl.d), randn(wl.rows, wl.h_kv, wl.d)
+    d_o = randn(wl.rows, wl.h_q, wl.d)
+    common = _common(wl, cu_q, cu_kv, pad, max_s)
+    out, aux = call_by_name(
+        te.fwd, **common, is_training=True, q=q, k=k, v=v, fake_dtype=q.dtype,
+        fused_attention_backend=te.backend,
+    )[:2]  # fmt: skip
+    bwd_kw = _call_kwargs(
+        te.original,
+        dict(common, q=q, k=k, v=v, o=out, d_o=d_o, fake_dtype=q.dtype, aux_ctx_tensors=aux,
+             fused_attention_backend=te.backend),
+    )  # fmt: skip
+    return common, bwd_kw
+
+
 # --------------------------------------------------------------------------- workarounds
 
 
@@ -577,33 +607,14 @@ def run_workload(wl: Workload, te: TE, args: argparse.Namespace) -> Dict[str, An
     esize = torch.finfo(dtype).bits // 8
     res["dead_rows_kv"], res["dead_rows_q"] = dead_kv, dead_q
     res["bytes_to_write"] = dead_kv * wl.h_kv * wl.d * esize * 2 + dead_q * wl.h_q * wl.d * esize
-    max_s = -(-max(b - a for a, b in zip(wl.pad[:-1], wl.pad[1:])) // 64) * 64
-
-    i32 = dict(dtype=torch.int32, device=dev)
-    cu_q = torch.tensor(wl.cu(wl.lq), **i32)
-    cu_kv = torch.tensor(wl.cu(wl.lk), **i32)
-    pad = torch.tensor(wl.pad, **i32)
     gen = torch.Generator(device=dev).manual_seed(0)
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=gen, device=dev, dtype=dtype)
 
-    q, k, v = (
-        randn(wl.rows, wl.h_q, wl.d),
-        randn(wl.rows, wl.h_kv, wl.d),
-        randn(wl.rows, wl.h_kv, wl.d),
-    )
-    d_o = randn(wl.rows, wl.h_q, wl.d)
-    common = _common(wl, cu_q, cu_kv, pad, max_s)
-    out, aux = call_by_name(
-        te.fwd, **common, is_training=True, q=q, k=k, v=v, fake_dtype=dtype,
-        fused_attention_backend=te.backend,
-    )[:2]  # fmt: skip
-    bwd_kw = _call_kwargs(
-        te.original,
-        dict(common, q=q, k=k, v=v, o=out, d_o=d_o, fake_dtype=dtype, aux_ctx_tensors=aux,
-             fused_attention_backend=te.backend),
-    )  # fmt: skip
+    common, bwd_kw = backward_arguments(wl, te, randn, dev)
+    cu_q, cu_kv, pad = (common[n] for n in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded"))
+    q, k, v = bwd_kw["q"], bwd_kw["k"], bwd_kw["v"]
     offs = (cu_q, cu_kv, pad, pad)
     reps, warm = args.reps, args.warmup
     preps, pwarm = args.postpass_reps, args.postpass_warmup
@@ -755,36 +766,26 @@ def run_workload(wl: Workload, te: TE, args: argparse.Namespace) -> Dict[str, An
     # gradients of one TE call, against the stub, same arguments. TE's call time varies by
     # about +-5 us from call to call, which blurs the paired difference above; this
     # isolates the wrapper's Python and (post-pass mode) its kernel launch on real tensors.
-    try:
-        direct, modes_done = time_direct(
-            te.original, bwd(), bwd_kw,
-            {"wrapper_stub_host": decide(False), "passthrough_stub_host": decide(True)},
-            args.stub_rounds,
-        )  # fmt: skip
-        res["timings"].update(direct)
-        res["checks"]["direct_modes"] = modes_done
-    except Exception as exc:
-        res["errors"]["host_direct"] = f"{type(exc).__name__}: {exc}"[:400]
-        traceback.print_exc()
-    finally:
-        guard._fixed[dev_index] = False
-
-    # The same again, each timed call (stub or wrapper) right after an untimed call of
-    # TE's own function: the host state of training, where TE's backward runs between
+    # Then the same again, each timed call (stub or wrapper) right after an untimed call
+    # of TE's own function: the host state of training, where TE's backward runs between
     # two of the wrapper's calls. Rounds as for the paired timing (a TE call each).
-    try:
-        direct, modes_done = time_direct(
-            te.original, bwd(), bwd_kw,
-            {"wrapper_stub_host": decide(False), "passthrough_stub_host": decide(True)},
-            rounds, before=bwd_pos, suffix="_after_te",
-        )  # fmt: skip
-        res["timings"].update(direct)
-        res["checks"].setdefault("direct_modes", {}).update(modes_done)
-    except Exception as exc:
-        res["errors"]["host_direct_after_te"] = f"{type(exc).__name__}: {exc}"[:400]
-        traceback.print_exc()
-    finally:
-        guard._fixed[dev_index] = False
+    for suffix, direct_rounds, before in (
+        ("", args.stub_rounds, None),
+        ("_after_te", rounds, bwd_pos),
+    ):
+        try:
+            direct, modes_done = time_direct(
+                te.original, bwd(), bwd_kw,
+                {"wrapper_stub_host": decide(False), "passthrough_stub_host": decide(True)},
+                direct_rounds, before=before, suffix=suffix,
+            )  # fmt: skip
+            res["timings"].update(direct)
+            res["checks"].setdefault("direct_modes", {}).update(modes_done)
+        except Exception as exc:
+            res["errors"]["host_direct" + suffix] = f"{type(exc).__name__}: {exc}"[:400]
+            traceback.print_exc()
+        finally:
+            guard._fixed[dev_index] = False
     res["host_context"] = host_context()
 
     # Workarounds that block the host, against the wrapper in the same (wall) mode.
@@ -1094,16 +1095,15 @@ def _te_like_call(wl: Workload) -> Tuple[Callable, Dict[str, Any], Any, Callable
 
     te_fn = build_fake("2.20", te_body)
     dtype = getattr(torch, wl.dtype)
-    i32 = dict(dtype=torch.int32)
-    cu_q, cu_kv = torch.tensor(wl.cu(wl.lq), **i32), torch.tensor(wl.cu(wl.lk), **i32)
-    pad = torch.tensor(wl.pad, **i32)
-    q, o, d_o = (torch.randn(wl.rows, wl.h_q, wl.d, dtype=dtype) for _ in range(3))
-    k, v = (torch.randn(wl.rows, wl.h_kv, wl.d, dtype=dtype) for _ in range(2))
-    kw = _call_kwargs(
-        te_fn,
-        dict(_common(wl, cu_q, cu_kv, pad, 64), q=q, k=k, v=v, o=o, d_o=d_o, fake_dtype=dtype,
-             aux_ctx_tensors=[], fused_attention_backend="F16_arbitrary_seqlen (fake)"),
-    )  # fmt: skip
+
+    def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+        return torch.randn(q.shape, dtype=dtype), []
+
+    fake = SimpleNamespace(fwd=fwd, original=te_fn, backend="F16_arbitrary_seqlen (fake)")
+    common, kw = backward_arguments(
+        wl, fake, lambda *shape: torch.randn(shape, dtype=dtype), device="cpu"
+    )
+    cu_q, cu_kv, pad = (common[n] for n in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded"))
     dead = dead_row_masks(cu_q, cu_kv, pad, pad, rows_q=wl.rows, rows_kv=wl.rows,
                           attn_mask_type=wl.mask)  # fmt: skip
 

@@ -40,28 +40,15 @@ for _path in (ROOT / "src", ROOT / "benchmarks"):
 import bench_postpass as bp  # noqa: E402
 
 from te_gqa_fix import guard, triton_postpass  # noqa: E402
-from te_gqa_fix.reproduce import call_by_name  # noqa: E402
 from te_gqa_fix.wrapper import wrapper_for  # noqa: E402
 
 
 def split(wl: bp.Workload, te: bp.TE, rounds: int) -> Dict[str, Any]:
     dev, dtype = "cuda", getattr(torch, wl.dtype)
-    i32 = dict(dtype=torch.int32, device=dev)
-    cu_q, cu_kv = torch.tensor(wl.cu(wl.lq), **i32), torch.tensor(wl.cu(wl.lk), **i32)
-    pad = torch.tensor(wl.pad, **i32)
-    max_s = -(-max(b - a for a, b in zip(wl.pad[:-1], wl.pad[1:])) // 64) * 64
-    q, d_o = (torch.randn(wl.rows, wl.h_q, wl.d, device=dev, dtype=dtype) for _ in range(2))
-    k, v = (torch.randn(wl.rows, wl.h_kv, wl.d, device=dev, dtype=dtype) for _ in range(2))
-    common = bp._common(wl, cu_q, cu_kv, pad, max_s)
-    out, aux = call_by_name(
-        te.fwd, **common, is_training=True, q=q, k=k, v=v, fake_dtype=dtype,
-        fused_attention_backend=te.backend,
-    )[:2]  # fmt: skip
-    kw = bp._call_kwargs(
-        te.original,
-        dict(common, q=q, k=k, v=v, o=out, d_o=d_o, fake_dtype=dtype, aux_ctx_tensors=aux,
-             fused_attention_backend=te.backend),
-    )  # fmt: skip
+    common, kw = bp.backward_arguments(
+        wl, te, lambda *shape: torch.randn(shape, device=dev, dtype=dtype), dev
+    )
+    cu_q, cu_kv, pad = (common[n] for n in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded"))
     pos, rest = bp.positional(te.original, kw)
     grads = te.original(*pos, **rest)
     stub = bp.make_stub(te.original, grads)
