@@ -5,8 +5,9 @@ Why: the GPU benchmark measures the wrapper's host time against TE's, but a GPU 
 always at hand while working on the hot path. This measures the Python the wrapper adds
 around a fake ``fused_attn_bwd`` that returns preallocated tensors (so the original costs
 next to nothing), with the Triton route forced on CPU tensors and the compiled kernel's
-launch replaced by a no-op. What it leaves out: the launcher's own C work
-(``cuLaunchKernelEx`` and reading the arguments), a few microseconds on the GPU host.
+launch replaced by a no-op: Triton 3.5/3.6's Python launcher runs, its C ``launch`` does
+nothing. What it leaves out: that C work (``cuLaunchKernelEx`` and reading the
+arguments), a few microseconds on the GPU host.
 
     PYTHONPATH=src python benchmarks/host_cpu.py [--calls 20000]
 
@@ -34,6 +35,7 @@ for _path in (ROOT / "src", ROOT / "tests"):
 from bench_postpass import positional  # noqa: E402
 
 from fakes.te_signatures import build_fake  # noqa: E402
+from fakes.triton_launcher import CudaLauncher  # noqa: E402
 from te_gqa_fix import guard, triton_postpass  # noqa: E402
 from te_gqa_fix.wrapper import wrapper_for  # noqa: E402
 
@@ -54,14 +56,23 @@ def fake_original(
     return build_fake("2.20", lambda arguments: out)
 
 
+class _NoLaunch:
+    """The launcher module's C ``launch``, made a no-op."""
+
+    def __call__(self, *args: Any) -> None:
+        return None
+
+
 class _StubCompiled:
-    """Stands in for Triton's CompiledKernel: ``run`` does nothing."""
+    """Stands in for Triton's CompiledKernel: ``run`` is Triton 3.5/3.6's
+    ``CudaLauncher`` (its Python ``__call__``, the test suite's copy), the launch a no-op."""
 
     function = 0
     packed_metadata = ()
 
-    def run(self, *args: Any) -> None:
-        return None
+    def __init__(self) -> None:
+        self.run = CudaLauncher()
+        self.run.launch = _NoLaunch()
 
 
 class _StubKernel:
@@ -75,11 +86,14 @@ class _StubKernel:
         return lambda *a, **k: self.compiled
 
 
-def stub_triton() -> None:
-    """Route CPU tensors through the Triton host path with a no-op launch."""
+def stub_triton(release: str) -> None:
+    """Route CPU tensors through the Triton host path with a no-op launch, as under
+    Triton ``release`` (the GPU machine's is 3.6)."""
     names = list(inspect.signature(triton_postpass._postpass_kernel).parameters)
     triton_postpass._kernel = _StubKernel(names)
     triton_postpass._available = True
+    if hasattr(triton_postpass, "_triton_version"):
+        triton_postpass._triton_version = lambda: release  # type: ignore[assignment]
     original = triton_postpass._why_unsupported
 
     def why(*args: Any, **kwargs: Any) -> Optional[str]:
@@ -119,8 +133,13 @@ def per_call_ns(fn: Callable[[], Any], calls: int, repeats: int = 7) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--calls", type=int, default=20000)
+    p.add_argument(
+        "--triton-release",
+        default="3.6.0",
+        help="the Triton release the launch path is chosen for (the GPU machine's: 3.6.0)",
+    )
     args = p.parse_args()
-    stub_triton()
+    stub_triton(args.triton_release)
     rows, h_q, h_kv, d = 64, 8, 2, 16
     original = fake_original(rows, h_q, h_kv, d)
     wrapped = wrapper_for(original)

@@ -18,6 +18,7 @@ import torch
 from fakes.cuda_checks import capture, no_host_sync
 from fakes.oracle import bits, make_ragged
 from fakes.te_outputs import FakeTE, assert_post_pass, call_arguments
+from fakes.triton_launcher import CLaunch, CudaLauncher
 from te_gqa_fix import guard, postpass, triton_postpass
 from te_gqa_fix import wrapper as wrapper_module
 from te_gqa_fix._logging import _reset_log_once
@@ -482,6 +483,73 @@ def test_interpreter_or_cpu_never_takes_the_direct_path(monkeypatch: pytest.Monk
     for _ in range(3):
         triton_postpass._run(plan, tensors)
     assert len(kernel.slow) == 3 and compiled.launches == []
+
+
+class _CompiledByLauncher(_Compiled):
+    """A CompiledKernel whose ``run`` is a :class:`CudaLauncher`."""
+
+    def __init__(self, launcher: CudaLauncher) -> None:
+        super().__init__()
+        self.run = launcher  # type: ignore[assignment,method-assign]
+
+
+def _launched_by(
+    monkeypatch: pytest.MonkeyPatch, launcher: CudaLauncher, release: str
+) -> List[tuple]:
+    """What the C ``launch`` received over three calls of one plan under Triton ``release``
+    (the first call goes through ``kernel[grid](...)`` and is not the launcher's), each
+    tensor's pointer checked and replaced by its name (each case has its own tensors)."""
+    monkeypatch.setattr(triton_postpass, "_triton_version", lambda: release)
+    _fake_cuda(monkeypatch, _Kernel(_CompiledByLauncher(launcher)))
+    plan, tensors = _plan_and_tensors()
+    for _ in range(3):
+        triton_postpass._run(plan, tensors)
+    calls = launcher.launch.calls if isinstance(launcher.launch, CLaunch) else []
+    named = []
+    for args in calls:
+        assert args[13:20] == tuple(t.data_ptr() for t in tensors)
+        named.append((*args[:13], *(f"ptr{i}" for i in range(7)), *args[20:]))
+    return named
+
+
+@pytest.mark.parametrize("release", ["3.5.1", "3.6.0"])
+def test_direct_launch_calls_the_c_launch_with_what_the_launcher_would(
+    monkeypatch: pytest.MonkeyPatch, release: str
+) -> None:
+    """Under a Triton release whose launcher is known, the direct launch skips
+    ``CudaLauncher.__call__`` and hands its C ``launch`` exactly the arguments that
+    ``__call__`` would have: the same tuple, argument for argument."""
+    through_call = CudaLauncher()
+    want = _launched_by(monkeypatch, through_call, "3.7.0")  # unknown: through __call__
+    assert through_call.called == 2 and len(want) == 2
+    direct = CudaLauncher()
+    got = _launched_by(monkeypatch, direct, release)
+    assert direct.called == 0, "CudaLauncher.__call__ ran: the C launch was not called directly"
+    assert got == want
+    assert got[0][5:9] == (False, True, None, None)  # the flags, no scratch
+
+
+@pytest.mark.parametrize(
+    "case", ["global scratch", "profile scratch", "wrapped launch", "release 3.4", "release 3.7"]
+)
+def test_direct_launch_keeps_the_launcher_call_where_it_is_needed(
+    monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """Scratch to allocate, a launch wrapped in Python (tensor descriptors), a release
+    whose launcher was not read: ``CudaLauncher.__call__`` runs as Triton's own launch
+    would call it."""
+    launcher = CudaLauncher(
+        global_scratch=64 if case == "global scratch" else 0,
+        profile_scratch=64 if case == "profile scratch" else 0,
+    )
+    calls = launcher.launch.calls
+    if case == "wrapped launch":
+        launcher.launch = lambda *args, inner=launcher.launch: inner(*args)
+    release = {"release 3.4": "3.4.0", "release 3.7": "3.7.0"}.get(case, "3.6.0")
+    _launched_by(monkeypatch, launcher, release)
+    assert launcher.called == 2 and len(calls) == 2
+    if "scratch" in case:
+        assert 0xD000 in calls[0][7:9]
 
 
 # --------------------------------------------------------------------- wrapper's launch cache

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import types
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -683,9 +684,9 @@ class _LaunchPlan:
         self.meta = meta
         self.tail: Optional[tuple] = None
         self.compiled: Dict[object, Any] = {}
-        #: ``(run, function, packed metadata, error word + tail)`` of the kernel compiled
-        #: for all pointers 16-byte aligned (the usual case), once captured: the whole
-        #: direct launch in one tuple, so the common call reads no dict.
+        #: ``(call, function, head, error word + tail)`` (see :func:`_launcher_call`) of
+        #: the kernel compiled for all pointers 16-byte aligned (the usual case), once
+        #: captured: the whole direct launch in one tuple, so the common call reads no dict.
         self.fast: Optional[tuple] = None
         self.device_index = device_index
         #: The device's pinned error word (te_gqa_fix.offset_errors), the kernel's 8th
@@ -882,11 +883,54 @@ def _capture(plan: _LaunchPlan, align: object, ret: Any, kernel: Any, n_tensors:
             _runtime_knobs = knobs.runtime
         except Exception:  # Triton without knobs (< 3.4): keep its own launch path
             return
-    run = ret.run  # property: loads the module on first use
-    plan.compiled[align] = (run, ret.function, ret.packed_metadata)
+    call, head = _launcher_call(ret.run, ret.packed_metadata)  # run: loads the module
+    plan.compiled[align] = (call, ret.function, head)
     if align == 0:
         err = _device_address(plan.err)
-        plan.fast = (run, ret.function, ret.packed_metadata, (err, *plan.tail))
+        plan.fast = (call, ret.function, head, (err, *plan.tail))
+
+
+#: Triton releases whose ``CudaLauncher`` is read below (3.5.0, 3.5.1, 3.6.0: the same
+#: ``__call__`` and C ``launch`` arguments). Other releases keep ``CompiledKernel.run``.
+_C_LAUNCH_RELEASES = ("3.5.", "3.6.")
+
+
+def _triton_version() -> str:
+    import triton
+
+    return str(getattr(triton, "__version__", ""))
+
+
+def _launcher_call(run: Any, packed: Any) -> Tuple[Any, tuple]:
+    """What the direct launch calls, and the arguments between the kernel's function
+    handle and its parameters.
+
+    By default ``CompiledKernel.run``, handed ``(packed metadata, launch metadata, enter
+    hook, exit hook)``, as ``CompiledKernel.__getitem__`` does. Where Triton is a release
+    of :data:`_C_LAUNCH_RELEASES`, ``run`` is a ``CudaLauncher`` whose Python
+    ``__call__`` only allocates scratch buffers (none when the kernel declares none)
+    and forwards to the compiled C ``launch`` with two flags and the two scratch
+    pointers in front: about 0.5 us of Python per call (benchmarks/host_cpu.py) on a
+    path budgeted in microseconds. Then the C ``launch`` is called directly with what
+    ``__call__`` would have passed. Anything else keeps ``run``: a kernel that needs
+    scratch, a launch wrapped for tensor descriptors (a Python function), another
+    release, whose arguments may differ (3.7 replaced the launcher).
+    """
+    default = (run, (packed, None, None, None))
+    try:
+        if type(run).__name__ != "CudaLauncher":
+            return default
+        if not _triton_version().startswith(_C_LAUNCH_RELEASES):
+            return default
+        launch = run.launch
+        if isinstance(launch, types.FunctionType) or not callable(launch):
+            return default
+        if run.global_scratch_size > 0 or run.profile_scratch_size > 0:
+            return default
+        flags = (run.launch_cooperative_grid, run.launch_pdl)
+    except Exception:  # an attribute this release does not have: keep run
+        return default
+    return launch, (*flags, None, None, packed, None, None, None)
 
 
 _CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 3
@@ -938,11 +982,11 @@ def _run(plan: _LaunchPlan, tensors: tuple) -> None:
             and _hooks_clear()
             and (_current_device() == index)
         ):
-            run, function, packed, tail = fast
+            call, function, head, tail = fast
             g0, g1 = plan.grid
             try:
-                run(g0, g1, 1, _raw_stream(index), function, packed, None, None, None,
-                    p0, p1, p2, p3, p4, p5, p6, *tail)  # fmt: skip
+                call(g0, g1, 1, _raw_stream(index), function, *head,
+                     p0, p1, p2, p3, p4, p5, p6, *tail)  # fmt: skip
                 return
             except Exception as exc:
                 _fast_failed(exc)
@@ -994,9 +1038,9 @@ def _run_general(plan: _LaunchPlan, tensors: tuple) -> None:
         entry = plan.compiled.get(align)
         if entry is not None and _fast_ok and _hooks_clear() and _current_device() == index:
             try:
-                run, function, packed = entry
-                run(g0, g1, 1, _raw_stream(index), function, packed, None, None, None,
-                    *ptrs, plan.err, *plan.tail)  # fmt: skip
+                call, function, head = entry
+                call(g0, g1, 1, _raw_stream(index), function, *head,
+                     *ptrs, plan.err, *plan.tail)  # fmt: skip
                 return
             except Exception as exc:  # never leave rows unzeroed: Triton's path below
                 _fast_failed(exc)
