@@ -113,6 +113,7 @@ def test_dpa_steady_state_through_the_fast_lane(te, cudnn, affected, monkeypatch
     33 arguments by position) is served by the wrapper's fast lane (the general path is
     not entered), and every step is exact after a poisoned workspace, on both builds
     (affected: the lane's post-pass; fixed: its pass-through)."""
+    from te_gqa_fix import triton_postpass
     from te_gqa_fix import wrapper as wrapper_module
 
     batch = _batch(8, 2, seed=11)
@@ -127,14 +128,25 @@ def test_dpa_steady_state_through_the_fast_lane(te, cudnn, affected, monkeypatch
     finally:
         te_gqa_fix.uninstall()
     counts = te_gqa_fix.call_counts()
+    launchers = sorted(
+        {type(p.fast[0]).__name__ for p in triton_postpass._launch_plans.values() if p.fast}
+    )
     record(
         cudnn=".".join(map(str, cudnn)),
         affected=affected,
         counts=counts,
         general_path_calls=len(general),
+        triton=triton_postpass._triton_version(),
+        direct_launch_calls=launchers,
         **steps[-1],
     )
     assert counts["calls"] == 5, counts
+    assert triton_postpass._fast_ok, "a direct launch failed (see the WARNING)"
+    if not cudnn_is_fixed(cudnn) and triton_postpass._triton_version().startswith(
+        triton_postpass._C_LAUNCH_RELEASES
+    ):
+        # Triton 3.5/3.6: the launcher module's C launch, not CudaLauncher.__call__.
+        assert launchers and "CudaLauncher" not in launchers, launchers
     assert len(general) <= 2 and counts["calls"] - len(general) >= 3, (len(general), counts)
     assert counts["fixed" if not cudnn_is_fixed(cudnn) else "skipped"] == 5, counts
     for i, res in enumerate(steps):
