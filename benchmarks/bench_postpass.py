@@ -436,15 +436,45 @@ def check_no_sync(fn: Callable[[], Any]) -> str:
 T_START = time.monotonic()
 
 
-def host_context(start: float = T_START) -> Dict[str, Any]:
-    """What else the host was doing when a workload's host times were taken: seconds
-    since the run started, the load average, this process's threads and child processes.
+def thread_cpu() -> Dict[str, int]:
+    """CPU time (clock ticks, user + system) of each of this process's threads so far,
+    by ``"tid:name"`` (the main thread's tid is the pid); empty without ``/proc``."""
+    out: Dict[str, int] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                head, tail = f.read().rsplit(")", 1)
+            fields = tail.split()  # from the state on: utime and stime are the 12th, 13th
+            out[f"{tid}:{head.split('(', 1)[1]}"] = int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
 
-    Why: in one run the host times of the first workloads (TE's own call included) read
-    1.5x those of the rest; these say whether that was the run's first seconds, other
-    load, or helper processes (compile workers) of this one.
+
+def host_context(
+    start: float = T_START, since: Optional[Tuple[float, Dict[str, int]]] = None
+) -> Dict[str, Any]:
+    """What else the host was doing when a workload's host times were taken: seconds
+    since the run started, the load average, this process's threads and child processes,
+    and with ``since`` (``(time.monotonic(), thread_cpu())`` taken before the timings) the
+    share of one CPU each of its busiest threads used over them.
+
+    Why: in several runs the host times of the workloads timed in a process's first
+    20 s or so (TE's own call and the stub included) read 1.5x those of the rest; these
+    say whether that was other load, helper processes (compile workers) or a thread of
+    this process competing with the timed one.
     """
     out: Dict[str, Any] = {"t_s": round(time.monotonic() - start, 1)}
+    if since is not None:
+        t0, ticks0 = since
+        elapsed = max(time.monotonic() - t0, 1e-6) * os.sysconf("SC_CLK_TCK")
+        busy = {n: (t - ticks0.get(n, 0)) / elapsed for n, t in thread_cpu().items()}
+        top = sorted(busy.items(), key=lambda kv: -kv[1])[:4]
+        out["thread_cpu_share"] = {n: round(v, 2) for n, v in top if v > 0}
     try:
         out["loadavg"] = [round(x, 2) for x in os.getloadavg()]
         out["threads"] = len(os.listdir("/proc/self/task"))
@@ -739,6 +769,7 @@ def run_workload(wl: Workload, te: TE, args: argparse.Namespace) -> Dict[str, An
 
     bwd_s = (_t(res, "bwd") or 1000.0) / 1e6
     rounds = int(min(args.host_rounds, max(8, args.host_budget / (3 * bwd_s))))
+    host_start = (time.monotonic(), thread_cpu())
     pos, rest = positional(te.original, bwd_kw)
 
     def bwd_pos() -> Any:
@@ -786,7 +817,7 @@ def run_workload(wl: Workload, te: TE, args: argparse.Namespace) -> Dict[str, An
             traceback.print_exc()
         finally:
             guard._fixed[dev_index] = False
-    res["host_context"] = host_context()
+    res["host_context"] = host_context(since=host_start)
 
     # Workarounds that block the host, against the wrapper in the same (wall) mode.
     if not args.skip_workarounds:

@@ -27,6 +27,7 @@ import json
 import os
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List
 
@@ -78,6 +79,7 @@ def split(wl: bp.Workload, te: bp.TE, rounds: int) -> Dict[str, Any]:
         "torch_op": lambda: tiny.add_(1),
     }
     result: Dict[str, Any] = {"workload": wl.name}
+    since = (time.monotonic(), bp.thread_cpu())
     try:
         for mode, before in (("back_to_back", None), ("after_te", lambda: te.original(*pos))):
 
@@ -94,6 +96,7 @@ def split(wl: bp.Workload, te: bp.TE, rounds: int) -> Dict[str, Any]:
         real_launch()
         stub.release()  # type: ignore[attr-defined]
         guard._fixed.pop(index, None)
+    result["host_context"] = bp.host_context(since=since)
     return result
 
 
@@ -120,6 +123,7 @@ def main(argv: List[str] = sys.argv[1:]) -> int:
             t = r[mode]
             cells = " | ".join(f"{t[n]['overhead_us']:.1f} us" for n in names)
             print(f"| {r['workload']} | {mode} | {t['stub']['median_us']:.1f} us | {cells} |")
+        print(f"  {r['workload']}: {r['host_context']}")
     return 0
 
 

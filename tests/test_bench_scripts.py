@@ -85,3 +85,38 @@ def test_wake_table_renders_from_runs_that_have_it(tmp_path: Path) -> None:
     assert f"{after:.1f} us" in rows[2] and f"{res['host_context']['t_s']} s" in rows[2]
     old = bench_report.load([str(RAW / "system" / "bench.json")])
     assert bench_report.wake_table(old) == []
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc (Linux)")
+def test_host_context_names_a_busy_thread() -> None:
+    """The share of a CPU each thread used over the host timings: a thread spinning
+    through the whole interval shows up, by its tid, and a sleeping one does not."""
+    import threading
+    import time
+
+    import bench_postpass
+
+    stop = threading.Event()
+    tids: dict = {}
+
+    def spin() -> None:
+        tids["spin"] = threading.get_native_id()
+        while not stop.is_set():
+            pass
+
+    def sleep() -> None:
+        tids["sleep"] = threading.get_native_id()
+        stop.wait()
+
+    threads = [threading.Thread(target=spin), threading.Thread(target=sleep)]
+    since = (time.monotonic(), bench_postpass.thread_cpu())
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    ctx = bench_postpass.host_context(since=since)
+    stop.set()
+    for t in threads:
+        t.join()
+    share = {int(name.split(":")[0]): v for name, v in ctx["thread_cpu_share"].items()}
+    assert share.get(tids["spin"], 0) > 0.2, ctx
+    assert tids["sleep"] not in share, ctx
