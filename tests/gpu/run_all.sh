@@ -11,7 +11,10 @@ out=${OUT:-/tmp/te-gqa-fix-out}
 extra=/tmp/te-gqa-fix-extra
 mkdir -p "$out" "$extra"
 # Knobs (one command may run 10 minutes on the GPU machine, so a run can be split):
-#   PARTS="validation cp examples" (default: all three), BUILDS="system pip route".
+#   PARTS="validation cp examples" (default: all three), BUILDS="system pip route",
+#   CP_ARGS (more cp_check.py arguments, e.g. "--steps 3" to take the wrapper's fast lane).
+# A run split over two commands on one warm machine collects both halves: the raw
+# outputs stay in $RES and /tmp/te-gqa-fix-extra between them.
 parts=${PARTS:-validation cp examples}
 case " $parts " in *" validation "*) bash tests/gpu/run_validation.sh ;; esac
 nproc_cp=${CP_NPROC:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
@@ -20,7 +23,7 @@ for build in ${BUILDS:-system pip route}; do
     use_build "$build"
     if [ "$nproc_cp" -ge 2 ] && [[ " $parts " == *" cp "* ]]; then
       timeout "${CP_TIMEOUT:-200}" torchrun --standalone --nproc-per-node "$nproc_cp" \
-        tests/multigpu/cp_check.py --out "$extra" --tag "$build" >"$extra/cp-$build.log" 2>&1
+        tests/multigpu/cp_check.py --out "$extra" --tag "$build" ${CP_ARGS:-} >"$extra/cp-$build.log" 2>&1
       echo "cp_check ($build, $nproc_cp ranks): exit $?"
       grep -E "^RESULT" "$extra/cp-$build.log"
     fi
