@@ -56,11 +56,15 @@ def split(wl: bp.Workload, te: bp.TE, rounds: int) -> Dict[str, Any]:
     wrapped = wrapper_for(stub)
     index = torch.cuda.current_device()
     guard._fixed[index] = False  # post-pass forced, also on a fixed cuDNN
+    # This workload's plan is then the one plan made (a workload timed again would
+    # otherwise find its plan from before, and another workload's plan last).
+    triton_postpass._launch_plans.clear()
     for _ in range(3):  # decide, record, then the lane
         wrapped(*pos, **rest)
     torch.cuda.synchronize()
     plans = [p for p in triton_postpass._launch_plans.values() if p.fast is not None]
-    plan = plans[-1]
+    assert len(plans) == 1, f"{len(plans)} armed launch plans, expected this workload's one"
+    plan = plans[0]
     tensors = (grads[0], grads[1], grads[2], cu_q, cu_kv, pad, pad)
     tiny = torch.zeros(1, device=dev)
     run = triton_postpass._run
