@@ -910,8 +910,8 @@ def _launcher_call(run: Any, packed: Any) -> Tuple[Any, tuple]:
     of :data:`_C_LAUNCH_RELEASES`, ``run`` is a ``CudaLauncher`` whose Python
     ``__call__`` only allocates scratch buffers (none when the kernel declares none)
     and forwards to the compiled C ``launch`` with two flags and the two scratch
-    pointers in front: about 0.5 us of Python per call (benchmarks/host_cpu.py) on a
-    path budgeted in microseconds. Then the C ``launch`` is called directly with what
+    pointers in front: 0.6-1.1 us of Python per call (benchmarks/host_cpu.py) on a path
+    budgeted in microseconds. Then the C ``launch`` is called directly with what
     ``__call__`` would have passed. Anything else keeps ``run``: a kernel that needs
     scratch, a launch wrapped for tensor descriptors (a Python function), another
     release, whose arguments may differ (3.7 replaced the launcher).
