@@ -455,13 +455,35 @@ def thread_cpu() -> Dict[str, int]:
     return out
 
 
+def cpu_steal() -> Dict[str, int]:
+    """Steal time (clock ticks: time the hypervisor ran something else while this virtual
+    CPU wanted to run) of each CPU so far, by ``"cpuN"``; empty without ``/proc/stat``."""
+    out: Dict[str, int] = {}
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                name, *values = line.split()
+                if name.startswith("cpu") and name != "cpu" and len(values) >= 8:
+                    out[name] = int(values[7])
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def host_snapshot() -> Tuple[float, Dict[str, int], Dict[str, int]]:
+    """What :func:`host_context` compares with: now, the threads' CPU times, the CPUs'
+    steal times."""
+    return time.monotonic(), thread_cpu(), cpu_steal()
+
+
 def host_context(
-    start: float = T_START, since: Optional[Tuple[float, Dict[str, int]]] = None
+    start: float = T_START, since: Optional[Tuple[float, Dict[str, int], Dict[str, int]]] = None
 ) -> Dict[str, Any]:
     """What else the host was doing when a workload's host times were taken: seconds
     since the run started, the load average, this process's threads and child processes,
-    and with ``since`` (``(time.monotonic(), thread_cpu())`` taken before the timings) the
-    share of one CPU each of its busiest threads used over them.
+    and with ``since`` (:func:`host_snapshot` taken before the timings) the share of one
+    CPU each of its busiest threads used over them, and the largest share of that time
+    any CPU lost to the hypervisor (steal).
 
     Why: in several runs the host times of the workloads timed in a process's first
     20 s or so (TE's own call and the stub included) read 1.5x those of the rest; these
@@ -470,11 +492,13 @@ def host_context(
     """
     out: Dict[str, Any] = {"t_s": round(time.monotonic() - start, 1)}
     if since is not None:
-        t0, ticks0 = since
+        t0, ticks0, steal0 = since
         elapsed = max(time.monotonic() - t0, 1e-6) * os.sysconf("SC_CLK_TCK")
         busy = {n: (t - ticks0.get(n, 0)) / elapsed for n, t in thread_cpu().items()}
         top = sorted(busy.items(), key=lambda kv: -kv[1])[:4]
         out["thread_cpu_share"] = {n: round(v, 2) for n, v in top if v > 0}
+        steal = [(t - steal0.get(n, t)) / elapsed for n, t in cpu_steal().items()]
+        out["steal_share_max"] = round(max(steal, default=0.0), 3)
     try:
         out["loadavg"] = [round(x, 2) for x in os.getloadavg()]
         out["threads"] = len(os.listdir("/proc/self/task"))
@@ -769,7 +793,7 @@ def run_workload(wl: Workload, te: TE, args: argparse.Namespace) -> Dict[str, An
 
     bwd_s = (_t(res, "bwd") or 1000.0) / 1e6
     rounds = int(min(args.host_rounds, max(8, args.host_budget / (3 * bwd_s))))
-    host_start = (time.monotonic(), thread_cpu())
+    host_start = host_snapshot()
     pos, rest = positional(te.original, bwd_kw)
 
     def bwd_pos() -> Any:

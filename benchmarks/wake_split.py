@@ -27,7 +27,6 @@ import json
 import os
 import shlex
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List
 
@@ -83,7 +82,7 @@ def split(wl: bp.Workload, te: bp.TE, rounds: int) -> Dict[str, Any]:
         "torch_op": lambda: tiny.add_(1),
     }
     result: Dict[str, Any] = {"workload": wl.name}
-    since = (time.monotonic(), bp.thread_cpu())
+    since = bp.host_snapshot()
     try:
         for mode, before in (("back_to_back", None), ("after_te", lambda: te.original(*pos))):
 

@@ -109,7 +109,7 @@ def test_host_context_names_a_busy_thread() -> None:
         stop.wait()
 
     threads = [threading.Thread(target=spin), threading.Thread(target=sleep)]
-    since = (time.monotonic(), bench_postpass.thread_cpu())
+    since = bench_postpass.host_snapshot()
     for t in threads:
         t.start()
     time.sleep(0.5)
@@ -120,3 +120,4 @@ def test_host_context_names_a_busy_thread() -> None:
     share = {int(name.split(":")[0]): v for name, v in ctx["thread_cpu_share"].items()}
     assert share.get(tids["spin"], 0) > 0.2, ctx
     assert tids["sleep"] not in share, ctx
+    assert 0.0 <= ctx["steal_share_max"] <= 1.0, ctx
