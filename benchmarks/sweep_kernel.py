@@ -260,7 +260,11 @@ def host_overhead(wl: bp.Workload, n: int = 2000) -> Dict[str, float]:
     args = (dq, dk, dv, cu_q, cu_kv, pad, pad, plan.err, *scalars)
     tp._run(plan, (dq, dk, dv, cu_q, cu_kv, pad, pad))  # compiles and arms the direct launch
     tp._run(plan, (dq, dk, dv, cu_q, cu_kv, pad, pad))
-    run, function, packed = plan.compiled[0]
+    # Triton's own launch returns the CompiledKernel: its launcher and metadata, and what
+    # the direct launch calls in their place (te_gqa_fix.triton_postpass._launcher_call).
+    compiled = kernel[grid](*args, **meta)
+    run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
+    call, head = tp._launcher_call(run, packed)
     g0, g1 = grid
     stream = torch.cuda.current_stream().cuda_stream
     tensors = (dq, dk, dv, cu_q, cu_kv, pad, pad, plan.err)
@@ -304,11 +308,6 @@ def host_overhead(wl: bp.Workload, n: int = 2000) -> Dict[str, float]:
 
         return call
 
-    c_args = (
-        g0, g1, 1, stream, function, getattr(run, "launch_cooperative_grid", False),
-        getattr(run, "launch_pdl", False), None, None, packed, None, None, None, *ptrs,
-        *plan.tail,
-    )  # fmt: skip
     chain = {
         "torch_zero_64_floats": lambda: x.zero_(),
         "fake_te_call_kwargs": lambda: fake(**kw),
@@ -322,9 +321,11 @@ def host_overhead(wl: bp.Workload, n: int = 2000) -> Dict[str, float]:
         "compiled_run_int_args": lambda: run(
             g0, g1, 1, stream, function, packed, None, None, None, *ptrs, *plan.tail
         ),
-        # Triton 3.6's C launcher itself, without CudaLauncher.__call__ (its Python: two
-        # scratch-allocation checks); its argument layout is that release's.
-        "c_launcher_int_args_3.6_layout": lambda: run.launch(*c_args),
+        # What the direct launch calls: on Triton 3.5/3.6 the C launch itself, without
+        # CudaLauncher.__call__ (its Python: two scratch-allocation checks); else run.
+        "launcher_call_int_args": lambda: call(
+            g0, g1, 1, stream, function, *head, *ptrs, *plan.tail
+        ),
         "tp._run": lambda: tp._run(plan, tensors[:7]),
         "triton_empty_kernel_2_args": lambda: _empty[(1,)](x, 64, BLOCK=64),
         "raw_launch_of_this_kernel": lambda: kernel[grid](*args, **meta),
