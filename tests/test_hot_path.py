@@ -18,8 +18,8 @@ import torch
 from fakes.cuda_checks import capture, no_host_sync
 from fakes.oracle import bits, make_ragged
 from fakes.te_outputs import FakeTE, assert_post_pass, call_arguments
-from fakes.triton_launcher import CLaunch, CudaLauncher
-from te_gqa_fix import guard, postpass, triton_postpass
+from fakes.triton_launcher import CLaunch, CudaLauncher, fake_driver, kernel_signature, metadata
+from te_gqa_fix import c_launch, guard, postpass, triton_postpass
 from te_gqa_fix import wrapper as wrapper_module
 from te_gqa_fix._logging import _reset_log_once
 from te_gqa_fix.masks import key_span
@@ -320,6 +320,10 @@ def _fake_cuda(monkeypatch: pytest.MonkeyPatch, kernel: _Kernel) -> _Hooks:
     monkeypatch.setattr(triton_postpass, "_runtime_knobs", hooks)
     monkeypatch.setattr(triton_postpass, "_fast_ok", True)
     monkeypatch.setattr(triton_postpass, "_launch_plans", {})
+    # No C launch unless a test sets one up (tests below): never a build attempt here.
+    monkeypatch.setattr(triton_postpass, "_c_launch", None)
+    monkeypatch.setattr(c_launch, "_module", None)
+    monkeypatch.setattr(c_launch, "_tried", True)
     return hooks
 
 
@@ -550,6 +554,242 @@ def test_direct_launch_keeps_the_launcher_call_where_it_is_needed(
     assert launcher.called == 2 and len(calls) == 2
     if "scratch" in case:
         assert 0xD000 in calls[0][7:9]
+
+
+# --------------------------------------------------------------------- C launch
+
+_KERNEL_ARGS = list(inspect.signature(triton_postpass._postpass_kernel).parameters)
+
+
+class _CompiledForC(_Compiled):
+    """A CompiledKernel as Triton 3.6 gives it: ``run`` a :class:`CudaLauncher`, the
+    ``src.signature`` and ``metadata`` the C launch record is built from."""
+
+    def __init__(self, launcher: CudaLauncher, **meta: Any) -> None:
+        super().__init__()
+        self.run = launcher  # type: ignore[assignment,method-assign]
+        self.function = 0xF00D  # type: ignore[assignment]
+        self.src: Any = None
+        self.metadata = metadata(**meta)
+
+
+class _CDriver:
+    """The C launch module set up on the fake libcuda (tests/fakes/fake_libcuda.c)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, device: int = 0) -> None:
+        pytest.importorskip("triton.runtime.build")
+        self.fake = fake_driver()
+        self.module = c_launch.build()
+        self.hooks = _Hooks()
+        self.module.setup(self.fake.__file__, lambda: device, lambda index: 1234, self.hooks)
+        self.fake.launches()  # drop earlier tests' records
+        self.n_record = 0
+        monkeypatch.setattr(triton_postpass, "_c_launch", self.module.launch)
+        monkeypatch.setattr(triton_postpass, "_runtime_knobs", self.hooks)
+
+    def configure(self, n_record: int, status: int = 0, context: bool = True) -> None:
+        self.n_record = n_record
+        self.fake.configure(n_record, status, int(context))
+
+
+def _c_setup(
+    monkeypatch: pytest.MonkeyPatch, device: int = 0, offset: int = 0, **meta: Any
+) -> Tuple[_CDriver, CudaLauncher, _Kernel, Any, tuple]:
+    """A plan whose kernel Triton 3.6 compiled, the C launch on the fake driver."""
+    monkeypatch.setattr(triton_postpass, "_triton_version", lambda: "3.6.0")
+    launcher = CudaLauncher()
+    compiled = _CompiledForC(launcher, **meta)
+    kernel = _Kernel(compiled)
+    _fake_cuda(monkeypatch, kernel)
+    driver = _CDriver(monkeypatch, device)
+    monkeypatch.setattr(triton_postpass, "_libcuda", _Driver(0))  # err word: 0xABC0
+    plan, tensors = _plan_and_tensors(offset)
+    signature = kernel_signature(_KERNEL_ARGS, plan.scalars, plan.meta)
+    compiled.src = type("Src", (), {"signature": signature})()
+    # Every parameter the launch passes: the non-constexpr ones and two scratch pointers.
+    driver.configure(sum(k != "constexpr" for k in signature.values()) + 2)
+    return driver, launcher, kernel, plan, tensors
+
+
+def test_c_launch_hands_the_kernel_what_tritons_launcher_would(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Once armed, a plan's kernel is launched from C with the parameter values Triton's C
+    launcher would pass: the signature's non-constexpr arguments of the Python launch, in
+    order, then the two scratch pointers; same grid, block, stream and function."""
+    driver, launcher, kernel, plan, tensors = _c_setup(monkeypatch)
+    for _ in range(3):
+        triton_postpass._run(plan, tensors)
+    got = driver.fake.launches()
+    assert len(kernel.slow) == 1 and len(got) == 2, "the C launch did not serve the plan"
+    assert launcher.called == 0 and launcher.launch.calls == [], "Python launched too"
+    assert plan.c is not None and driver.module.launches() >= 2
+    # The same plan through the Python direct launch: what Triton's C launch receives.
+    monkeypatch.setattr(plan, "c", None)
+    triton_postpass._run(plan, tensors)
+    (args,) = launcher.launch.calls
+    kinds = list(kernel_signature(_KERNEL_ARGS, plan.scalars, plan.meta).values())
+    want = [v for kind, v in zip(kinds, args[13:]) if kind != "constexpr"] + [0, 0]
+    for launch in got:
+        function, gx, gy, gz, bx, by, bz, shared, stream, params, extra = launch
+        assert (function, stream) == (0xF00D, 1234) and args[3:5] == (1234, 0xF00D)
+        assert (gx, gy, gz) == tuple(args[:3]) and (bx, by, bz, shared) == (128, 1, 1, 0)
+        assert list(params) == want and extra is False
+    assert list(got[0][9][:7]) == [t.data_ptr() for t in tensors]
+    assert got[0][9][7] == 0xABC0  # the pinned error word's device address
+
+
+def test_c_launch_declines_to_tritons_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the Python direct launch hands to Triton's path, the C launch does too: a
+    pointer not 16-byte aligned, a launch hook, another current device. With no current
+    CUDA context, Triton's C launcher (which makes one current) launches. Nothing is
+    launched from C then, and the call still launches, once."""
+    driver, launcher, kernel, plan, tensors = _c_setup(monkeypatch)
+    triton_postpass._run(plan, tensors)  # arms the plan
+    _, misaligned = _plan_and_tensors(1)
+
+    class Chain:
+        calls = (print,)
+
+    cases = [
+        ("misaligned", lambda: None, misaligned, "triton"),
+        ("enter hook", lambda: setattr(driver.hooks, "launch_enter_hook", Chain()), tensors, "triton"),
+        ("exit hook", lambda: setattr(driver.hooks, "launch_exit_hook", Chain()), tensors, "triton"),
+        ("no context", lambda: driver.configure(driver.n_record, 0, False), tensors, "launcher"),
+    ]  # fmt: skip
+    for name, arrange, args, path in cases:
+        driver.hooks.launch_enter_hook = driver.hooks.launch_exit_hook = None
+        driver.configure(driver.n_record)
+        arrange()
+        before = len(kernel.slow), len(launcher.launch.calls)
+        triton_postpass._run(plan, args)
+        assert driver.fake.launches() == [], name
+        after = len(kernel.slow), len(launcher.launch.calls)
+        assert after == (before[0] + (path == "triton"), before[1] + (path == "launcher")), name
+    driver.configure(driver.n_record)
+    driver.hooks.launch_enter_hook = type("Empty", (), {"calls": []})()  # 3.6's empty chain
+    before = len(kernel.slow), len(launcher.launch.calls)
+    triton_postpass._run(plan, tensors)
+    assert len(driver.fake.launches()) == 1
+    assert (len(kernel.slow), len(launcher.launch.calls)) == before
+    other, launcher, kernel, plan, tensors = _c_setup(monkeypatch, device=1)
+    for _ in range(2):
+        triton_postpass._run(plan, tensors)
+    assert other.fake.launches() == [], "launched from C on another device"
+    assert len(kernel.slow) == 1 and len(launcher.launch.calls) == 1  # Python's direct launch
+
+
+def test_failed_c_launch_falls_back_and_logs_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    driver, _, kernel, plan, tensors = _c_setup(monkeypatch)
+    driver.configure(driver.n_record, status=700)  # CUDA_ERROR_ILLEGAL_ADDRESS
+    with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
+        for _ in range(3):
+            triton_postpass._run(plan, tensors)
+    assert len(kernel.slow) == 3  # every call launched through Triton's path
+    assert len(driver.fake.launches()) == 1  # the one that failed
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("direct Triton launch failed" in m and "700" in m for m in messages) == 1
+    assert triton_postpass._fast_ok is False
+
+
+def _record_args(n: int = 3) -> Tuple[Any, tuple]:
+    """A compiled-kernel stand-in and arguments for :func:`c_launch.record`: seven
+    pointers, an error-word address, ``n`` scalars, a constexpr."""
+    compiled = _CompiledForC(CudaLauncher(), num_warps=8, shared=1024)
+    kinds = ["*bf16"] * 8 + ["i32", "i64", "i1"][:n] + ["constexpr"]
+    compiled.src = type("Src", (), {"signature": {f"a{i}": k for i, k in enumerate(kinds)}})()
+    args = (0,) * 7 + (0xE0, -5, 1 << 40, True)[: 1 + n] + (128,)
+    return compiled, args
+
+
+def test_record_packs_what_the_c_launch_reads() -> None:
+    compiled, args = _record_args()
+    rec = c_launch.record(compiled, args, (7, 1, 1), 3)
+    assert rec is not None and len(rec) == c_launch.HEADER.size + 8 * 11
+    head = c_launch.HEADER.unpack_from(rec)
+    assert head == (0xF00D, 7, 1, 1, 256, 1024, 3, 11, 0)
+    slots = [
+        rec[c_launch.HEADER.size + 8 * i : c_launch.HEADER.size + 8 * (i + 1)] for i in range(11)
+    ]
+    assert slots[7] == (0xE0).to_bytes(8, "little")
+    assert slots[8][:4] == (-5).to_bytes(4, "little", signed=True) and slots[8][4:] == bytes(4)
+    assert slots[9] == (1 << 40).to_bytes(8, "little") and slots[10] == b"\x01" + bytes(7)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "float", "tensor pointer", "num_ctas", "cooperative", "pdl", "global scratch",
+        "profile scratch", "length", "scalar first", "out of range", "tuple",
+    ],
+)  # fmt: skip
+def test_record_refuses_what_it_cannot_launch(change: str) -> None:
+    """Anything record() would pack wrongly, or the C launch does not do: no record."""
+    compiled, args = _record_args()
+    sig = compiled.src.signature
+    meta = compiled.metadata
+    if change == "float":
+        sig["a9"] = "fp32"
+    elif change == "tensor pointer":
+        args = (*args[:7], torch.zeros(1), *args[8:])
+    elif change == "num_ctas":
+        meta.num_ctas = 2
+    elif change == "cooperative":
+        meta.launch_cooperative_grid = True
+    elif change == "pdl":
+        meta.launch_pdl = True
+    elif change == "global scratch":
+        meta.global_scratch_size = 64
+    elif change == "profile scratch":
+        meta.profile_scratch_size = 64
+    elif change == "length":
+        args = args[:-1]
+    elif change == "scalar first":
+        sig["a0"], sig["a8"] = "i32", "*bf16"
+        args = (5, *args[1:8], 0, *args[9:])
+    elif change == "out of range":
+        args = (*args[:8], 1 << 31, *args[9:])
+    elif change == "tuple":
+        sig["a9"] = ("i32", "i32")
+    assert c_launch.record(compiled, args, (7, 1, 1), 0) is None
+
+
+def test_c_launch_module_refuses_malformed_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    driver = _CDriver(monkeypatch)
+    tensors = [torch.zeros(8) for _ in range(7)]
+    compiled, args = _record_args()
+    rec = c_launch.record(compiled, args, (1, 1, 1), 0)
+    assert rec is not None
+    with pytest.raises(TypeError):
+        driver.module.launch(rec, *tensors[:6])
+    with pytest.raises(TypeError):
+        driver.module.launch(bytearray(rec), *tensors)
+    with pytest.raises(ValueError, match="malformed"):
+        driver.module.launch(rec[:-1], *tensors)
+    assert driver.fake.launches() == []
+
+
+def test_c_launch_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(c_launch, "_module", None)
+    monkeypatch.setattr(c_launch, "_tried", False)
+    monkeypatch.setenv("TE_GQA_FIX_C_LAUNCH", "0")
+    assert c_launch.load("libcuda.so.1", lambda: 0, lambda i: 0, None) is None
+    assert c_launch._tried is False and c_launch._module is None
+
+
+def test_c_launch_unavailable_is_logged_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No driver library (or no compiler): None, said once, and never tried again."""
+    pytest.importorskip("triton.runtime.build")
+    monkeypatch.setattr(c_launch, "_module", None)
+    monkeypatch.setattr(c_launch, "_tried", False)
+    with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
+        for _ in range(2):
+            assert c_launch.load("/nonexistent/libcuda.so.1", lambda: 0, lambda i: 0, None) is None
+    assert sum("from C is unavailable" in r.getMessage() for r in caplog.records) == 1
 
 
 # --------------------------------------------------------------------- wrapper's launch cache
@@ -939,11 +1179,17 @@ def test_gpu_wrapper_fast_path_no_sync_and_cuda_graph(monkeypatch: pytest.Monkey
     torch.cuda.synchronize()
     plans = [p for p in triton_postpass._launch_plans.values() if p.compiled]
     assert plans, "the direct launch was never armed"
+    # Triton 3.5/3.6: the steady state launches from C (te_gqa_fix.c_launch), also
+    # under capture; the replay below then checks what the C launch captured.
+    from_c = triton_postpass._triton_version().startswith(triton_postpass._C_LAUNCH_RELEASES)
+    launched = c_launch.launch_count()
+    assert not from_c or any(p.c for p in plans), "no C launch record"
     with no_host_sync():
         call()
     assert len(general) == 2, "the third call did not take the fast lane"
     graph, _ = capture(call)
     assert len(general) == 2, "the captured call did not take the fast lane"
+    assert c_launch.launch_count() - launched == (3 if from_c else 0)  # capture calls twice
     dq.fill_(float("nan"))
     kv.fill_(float("nan"))
     graph.replay()

@@ -46,7 +46,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from . import offset_errors
+from . import c_launch, offset_errors
 from ._logging import log_once
 from .masks import KeySpan
 from .validation import check_metadata
@@ -666,8 +666,8 @@ class _LaunchPlan:
     """
 
     __slots__ = (
-        "compiled", "device_index", "err", "err_ptr", "fast", "grid", "meta", "scalars", "tail",
-        "words",
+        "c", "compiled", "device_index", "err", "err_ptr", "fast", "grid", "meta", "scalars",
+        "tail", "words",
     )  # fmt: skip
 
     def __init__(
@@ -688,6 +688,9 @@ class _LaunchPlan:
         #: the kernel compiled for all pointers 16-byte aligned (the usual case), once
         #: captured: the whole direct launch in one tuple, so the common call reads no dict.
         self.fast: Optional[tuple] = None
+        #: The same kernel's launch record for the C launch (te_gqa_fix.c_launch), where
+        #: it serves this kernel: then the direct launch is one C call.
+        self.c: Optional[bytes] = None
         self.device_index = device_index
         #: The device's pinned error word (te_gqa_fix.offset_errors), the kernel's 8th
         #: pointer: the same memory for every call on that device.
@@ -825,6 +828,20 @@ def _make_launch_plan(
 
 _fast_ok = True  # cleared (and logged once) when the direct launch ever fails
 _runtime_knobs: Any = None
+_c_launch: Any = None  # te_gqa_fix.c_launch's launch(record, *tensors), once loaded
+
+
+def _load_c_launch() -> Any:
+    """The C launch (:mod:`te_gqa_fix.c_launch`), set up with torch's current device
+    and stream calls and Triton's launch hooks; None where it cannot be had."""
+    global _c_launch
+    if _c_launch is None:
+        get_device = getattr(torch._C, "_cuda_getDevice", None)
+        raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if get_device is None or raw_stream is None:  # a torch without CUDA
+            return None
+        _c_launch = c_launch.load("libcuda.so.1", get_device, raw_stream, _runtime_knobs)
+    return _c_launch
 
 
 def _raw_stream(index: int) -> int:
@@ -888,6 +905,10 @@ def _capture(plan: _LaunchPlan, align: object, ret: Any, kernel: Any, n_tensors:
     if align == 0:
         err = _device_address(plan.err)
         plan.fast = (call, ret.function, head, (err, *plan.tail))
+        if call is not ret.run and _load_c_launch() is not None:
+            # The release's launcher was read (see _launcher_call): launch from C.
+            args = (0,) * c_launch.N_TENSORS + (err, *plan.tail)
+            plan.c = c_launch.record(ret, args, (*plan.grid, 1), plan.device_index)
 
 
 #: Triton releases whose ``CudaLauncher`` is read below (3.5.0, 3.5.1, 3.6.0: the same
@@ -973,6 +994,15 @@ def _run(plan: _LaunchPlan, tensors: tuple) -> None:
     """
     fast = plan.fast
     if fast is not None and _fast_ok:
+        c = plan.c
+        if c is not None:
+            try:
+                if _c_launch(c, *tensors):
+                    return
+            except Exception as exc:
+                _fast_failed(exc)
+            _run_general(plan, tensors)  # declined: Triton's path decides
+            return
         q_t, dk, dv, cu_q, cu_kv, pad_q, pad_kv = tensors
         p0, p1, p2 = q_t.data_ptr(), dk.data_ptr(), dv.data_ptr()
         p3, p4, p5, p6 = cu_q.data_ptr(), cu_kv.data_ptr(), pad_q.data_ptr(), pad_kv.data_ptr()

@@ -1,5 +1,6 @@
 """Triton 3.5/3.6's ``CudaLauncher``, as far as a kernel launch goes, with a recording C
-``launch``.
+``launch``; and what the C launch (``te_gqa_fix.c_launch``) reads of a compiled kernel,
+with a fake driver library to launch on.
 
 Why here: the direct launch (``te_gqa_fix.triton_postpass._launcher_call``) calls the
 launcher module's C ``launch`` itself on those releases, skipping ``__call__``. The CPU
@@ -9,7 +10,8 @@ tests check it hands ``launch`` the very arguments ``__call__`` would, and
 
 from __future__ import annotations
 
-from typing import Any, List
+from pathlib import Path
+from typing import Any, Dict, List
 
 
 class CLaunch:
@@ -76,3 +78,40 @@ class CudaLauncher:
             gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl,
             global_scratch, profile_scratch, *args,
         )  # fmt: skip
+
+
+# ------------------------------------------------------------- the C launch (c_launch.py)
+
+#: What te_gqa_fix.c_launch.record() reads from a CompiledKernel's ``metadata``.
+META_FIELDS = (
+    "num_warps", "num_ctas", "shared", "launch_cooperative_grid", "launch_pdl",
+    "global_scratch_size", "profile_scratch_size",
+)  # fmt: skip
+
+
+def metadata(**fields: Any) -> Any:
+    """A CompiledKernel's ``metadata``: 4 warps, one CTA, no shared memory or scratch."""
+    values = dict.fromkeys(META_FIELDS, 0)
+    values.update(num_warps=4, num_ctas=1, shared=0)
+    values.update(fields)
+    return type("KernelMetadata", (), values)()
+
+
+def kernel_signature(names: List[str], scalars: tuple, meta: Dict[str, Any]) -> Dict[str, str]:
+    """The ``src.signature`` Triton 3.6 gives the post-pass kernel launched with a plan's
+    ``scalars`` and ``meta``: its eight pointers, the scalars as ``i32`` (one equal to 1
+    specialized to a constexpr, as Triton does), then the constexprs."""
+    kinds = ["*bf16", "*fp32", "*fp32", "*i32", "*i32", "*i32", "*i32", "*i32"]
+    kinds += ["constexpr" if v == 1 else "i32" for v in scalars]
+    kinds += ["constexpr"] * (len(names) - len(kinds))
+    assert len(kinds) == 8 + len(scalars) + len([n for n in names if n in meta]), names
+    return dict(zip(names, kinds))
+
+
+def fake_driver() -> Any:
+    """tests/fakes/fake_libcuda.c, built (Triton's C build helper) and imported: pass its
+    ``__file__`` to the C launch module's ``setup`` as the driver library."""
+    from triton.runtime.build import compile_module_from_src
+
+    src = (Path(__file__).resolve().parent / "fake_libcuda.c").read_text()
+    return compile_module_from_src(src=src, name="te_gqa_fix_fake_libcuda")

@@ -113,7 +113,7 @@ def test_dpa_steady_state_through_the_fast_lane(te, cudnn, affected, monkeypatch
     33 arguments by position) is served by the wrapper's fast lane (the general path is
     not entered), and every step is exact after a poisoned workspace, on both builds
     (affected: the lane's post-pass; fixed: its pass-through)."""
-    from te_gqa_fix import triton_postpass
+    from te_gqa_fix import c_launch, triton_postpass
     from te_gqa_fix import wrapper as wrapper_module
 
     batch = _batch(8, 2, seed=11)
@@ -123,10 +123,12 @@ def test_dpa_steady_state_through_the_fast_lane(te, cudnn, affected, monkeypatch
     monkeypatch.setattr(wrapper_module, "_prepare", lambda *a: (general.append(1), prepare(*a))[1])
     te_gqa_fix.install()
     te_gqa_fix.reset_call_counts()
+    from_c = c_launch.launch_count()
     try:
         steps = [compare(batch, _dpa_step(te, batch, poison=True), refs) for _ in range(5)]
     finally:
         te_gqa_fix.uninstall()
+    from_c = c_launch.launch_count() - from_c
     counts = te_gqa_fix.call_counts()
     launchers = sorted(
         {type(p.fast[0]).__name__ for p in triton_postpass._launch_plans.values() if p.fast}
@@ -138,6 +140,7 @@ def test_dpa_steady_state_through_the_fast_lane(te, cudnn, affected, monkeypatch
         general_path_calls=len(general),
         triton=triton_postpass._triton_version(),
         direct_launch_calls=launchers,
+        launched_from_c=from_c,
         **steps[-1],
     )
     assert counts["calls"] == 5, counts
@@ -145,8 +148,10 @@ def test_dpa_steady_state_through_the_fast_lane(te, cudnn, affected, monkeypatch
     if not cudnn_is_fixed(cudnn) and triton_postpass._triton_version().startswith(
         triton_postpass._C_LAUNCH_RELEASES
     ):
-        # Triton 3.5/3.6: the launcher module's C launch, not CudaLauncher.__call__.
+        # Triton 3.5/3.6: the launcher module's C launch, not CudaLauncher.__call__; and
+        # the steady state (the calls after the first, which compiles) from C.
         assert launchers and "CudaLauncher" not in launchers, launchers
+        assert from_c >= 3, f"{from_c} launches from C (te_gqa_fix.c_launch)"
     assert len(general) <= 2 and counts["calls"] - len(general) >= 3, (len(general), counts)
     assert counts["fixed" if not cudnn_is_fixed(cudnn) else "skipped"] == 5, counts
     for i, res in enumerate(steps):
