@@ -56,7 +56,7 @@ if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
 import te_gqa_fix  # noqa: E402
-from te_gqa_fix import guard, triton_postpass  # noqa: E402
+from te_gqa_fix import c_launch, guard, triton_postpass  # noqa: E402
 from te_gqa_fix.masks import KeySpan, key_interval, key_span  # noqa: E402
 from te_gqa_fix.postpass import zero_dead_rows  # noqa: E402
 from te_gqa_fix.reproduce import call_by_name  # noqa: E402
@@ -794,6 +794,7 @@ def run_workload(wl: Workload, te: TE, args: argparse.Namespace) -> Dict[str, An
     bwd_s = (_t(res, "bwd") or 1000.0) / 1e6
     rounds = int(min(args.host_rounds, max(8, args.host_budget / (3 * bwd_s))))
     host_start = host_snapshot()
+    launched_from_c = c_launch.launch_count()
     pos, rest = positional(te.original, bwd_kw)
 
     def bwd_pos() -> Any:
@@ -842,6 +843,9 @@ def run_workload(wl: Workload, te: TE, args: argparse.Namespace) -> Dict[str, An
         finally:
             guard._fixed[dev_index] = False
     res["host_context"] = host_context(since=host_start)
+    # How the post-pass kernel was launched in the steady state: from C (te_gqa_fix.c_launch)
+    # or from Python through Triton's C launcher.
+    res["checks"]["launched_from_c"] = c_launch.launch_count() - launched_from_c
 
     # Workarounds that block the host, against the wrapper in the same (wall) mode.
     if not args.skip_workarounds:

@@ -5,11 +5,13 @@ Why: the GPU benchmark measures the wrapper's host time against TE's, but a GPU 
 always at hand while working on the hot path. This measures the Python the wrapper adds
 around a fake ``fused_attn_bwd`` that returns preallocated tensors (so the original costs
 next to nothing), with the Triton route forced on CPU tensors and the compiled kernel's
-launch replaced by a no-op: Triton 3.5/3.6's Python launcher runs, its C ``launch`` does
-nothing. What it leaves out: that C work (``cuLaunchKernelEx`` and reading the
-arguments), a few microseconds on the GPU host.
+launch replaced by a no-op. By default the C launch (``te_gqa_fix.c_launch``) runs on a
+fake driver library (``tests/fakes/fake_libcuda.c``) whose ``cuLaunchKernel`` only counts:
+everything but the driver's own work. With ``--no-c-launch``, Triton 3.5/3.6's Python
+launcher runs and its C ``launch`` does nothing: that also leaves out the C launcher's
+reading of every argument. The driver's work is a few microseconds on the GPU host.
 
-    PYTHONPATH=src python benchmarks/host_cpu.py [--calls 20000]
+    PYTHONPATH=src python benchmarks/host_cpu.py [--calls 20000] [--no-c-launch]
 
 Prints nanoseconds per call (minimum over repeats), called positionally as TE 2.20 does
 and by keyword: the bare fake, the wrapper with the post-pass, the wrapper
@@ -35,8 +37,13 @@ for _path in (ROOT / "src", ROOT / "tests"):
 from bench_postpass import positional  # noqa: E402
 
 from fakes.te_signatures import build_fake  # noqa: E402
-from fakes.triton_launcher import CudaLauncher  # noqa: E402
-from te_gqa_fix import guard, triton_postpass  # noqa: E402
+from fakes.triton_launcher import (  # noqa: E402
+    CudaLauncher,
+    fake_driver,
+    kernel_signature,
+    metadata,
+)
+from te_gqa_fix import c_launch, guard, triton_postpass  # noqa: E402
 from te_gqa_fix.wrapper import wrapper_for  # noqa: E402
 
 
@@ -67,12 +74,14 @@ class _StubCompiled:
     """Stands in for Triton's CompiledKernel: ``run`` is Triton 3.5/3.6's
     ``CudaLauncher`` (its Python ``__call__``, the test suite's copy), the launch a no-op."""
 
-    function = 0
+    function = 0xF00D
     packed_metadata = ()
 
     def __init__(self) -> None:
         self.run = CudaLauncher()
         self.run.launch = _NoLaunch()
+        self.metadata = metadata()
+        self.src: Any = None  # the signature: set when the first plan is made
 
 
 class _StubKernel:
@@ -86,11 +95,23 @@ class _StubKernel:
         return lambda *a, **k: self.compiled
 
 
-def stub_triton(release: str) -> None:
+def stub_triton(release: str, c: bool) -> None:
     """Route CPU tensors through the Triton host path with a no-op launch, as under
-    Triton ``release`` (the GPU machine's is 3.6)."""
+    Triton ``release`` (the GPU machine's is 3.6); ``c``: the C launch on the fake
+    driver, else none."""
     names = list(inspect.signature(triton_postpass._postpass_kernel).parameters)
-    triton_postpass._kernel = _StubKernel(names)
+    kernel = _StubKernel(names)
+    triton_postpass._kernel = kernel
+    c_launch._tried = True  # never the real driver
+    if c:
+        driver = fake_driver()
+        driver.configure(-1, 0, 1)  # count launches only
+        module = c_launch.build()
+        knobs = type("Knobs", (), {"launch_enter_hook": None, "launch_exit_hook": None})()
+        module.setup(driver.__file__, lambda: 0, lambda index: 0, knobs)
+        triton_postpass._c_launch = module.launch
+        c_launch._module = module  # what launch_count() reads
+        triton_postpass._device_address = lambda err: 0xABC0  # type: ignore[assignment]
     triton_postpass._available = True
     if hasattr(triton_postpass, "_triton_version"):
         triton_postpass._triton_version = lambda: release  # type: ignore[assignment]
@@ -110,6 +131,8 @@ def stub_triton(release: str) -> None:
         def plan_on_device_0(*args: Any) -> Any:
             plan = make_plan(*args)
             plan.device_index = 0
+            signature = kernel_signature(names, plan.scalars, plan.meta)
+            kernel.compiled.src = type("Src", (), {"signature": signature})()
             return plan
 
         triton_postpass._make_launch_plan = plan_on_device_0  # type: ignore[assignment]
@@ -138,8 +161,13 @@ def main() -> int:
         default="3.6.0",
         help="the Triton release the launch path is chosen for (the GPU machine's: 3.6.0)",
     )
+    p.add_argument(
+        "--no-c-launch",
+        action="store_true",
+        help="launch through Triton's Python launcher, not from C (te_gqa_fix.c_launch)",
+    )
     args = p.parse_args()
-    stub_triton(args.triton_release)
+    stub_triton(args.triton_release, c=not args.no_c_launch)
     rows, h_q, h_kv, d = 64, 8, 2, 16
     original = fake_original(rows, h_q, h_kv, d)
     wrapped = wrapper_for(original)
@@ -177,7 +205,7 @@ def main() -> int:
         fixing = per_call_ns(call_wrapped, args.calls)
         guard._fixed[0] = True
         passing = per_call_ns(call_wrapped, args.calls)
-        print(f"[{label}]")
+        print(f"[{label}] launched from C: {c_launch.launch_count() > 0}")
         print(f"bare fake original      {bare:8.0f} ns/call")
         print(f"wrapper, post-pass      {fixing:8.0f} ns/call  (+{fixing - bare:.0f} ns)")
         if has_device_hook:

@@ -7,8 +7,11 @@ timed call (about twice that, as the paired overhead against TE reads). This spl
 both into parts, each timed against the stub in the same interleaved rounds:
 
 * ``wrapper``: the wrapper around the stub, post-pass forced (the fast lane);
+* ``wrapper_python_launch``: the same, the kernel launched from Python through Triton's C
+  launcher instead of from C (``te_gqa_fix.c_launch``; the same where it does not serve);
 * ``wrapper_no_launch``: the same with ``triton_postpass._run`` a no-op (its Python alone);
 * ``launch``: ``triton_postpass._run`` alone on the same plan and gradients (the launch);
+* ``launch_python``: the same, launched from Python;
 * ``torch_op``: one tiny ``torch`` op on the GPU (the price of any launch from Python).
 
 GPU machine, TE staged (``source .gpu-kit/env.sh``)::
@@ -39,7 +42,7 @@ for _path in (ROOT / "src", ROOT / "benchmarks"):
 
 import bench_postpass as bp  # noqa: E402
 
-from te_gqa_fix import guard, triton_postpass  # noqa: E402
+from te_gqa_fix import c_launch, guard, triton_postpass  # noqa: E402
 from te_gqa_fix.wrapper import wrapper_for  # noqa: E402
 
 
@@ -67,21 +70,31 @@ def split(wl: bp.Workload, te: bp.TE, rounds: int) -> Dict[str, Any]:
     tensors = (grads[0], grads[1], grads[2], cu_q, cu_kv, pad, pad)
     tiny = torch.zeros(1, device=dev)
     run = triton_postpass._run
+    record = plan.c
 
     def no_launch() -> None:
         triton_postpass._run = lambda plan, tensors: None  # type: ignore[assignment]
 
-    def real_launch() -> None:
+    def real_launch(from_c: bool = True) -> None:
         triton_postpass._run = run  # type: ignore[assignment]
+        plan.c = record if from_c else None
 
     fns: Dict[str, Callable[[], Any]] = {
         "stub": lambda: stub(*pos, **rest),
         "wrapper": lambda: wrapped(*pos, **rest),
+        "wrapper_python_launch": lambda: wrapped(*pos, **rest),
         "wrapper_no_launch": lambda: wrapped(*pos, **rest),
         "launch": lambda: run(plan, tensors),
+        "launch_python": lambda: run(plan, tensors),
         "torch_op": lambda: tiny.add_(1),
     }
-    result: Dict[str, Any] = {"workload": wl.name}
+    prepare = {
+        "wrapper_no_launch": no_launch,
+        "wrapper_python_launch": lambda: real_launch(False),
+        "launch_python": lambda: real_launch(False),
+    }
+    result: Dict[str, Any] = {"workload": wl.name, "c_launch_record": record is not None}
+    launched_from_c = c_launch.launch_count()
     since = bp.host_snapshot()
     try:
         for mode, before in (("back_to_back", None), ("after_te", lambda: te.original(*pos))):
@@ -89,7 +102,7 @@ def split(wl: bp.Workload, te: bp.TE, rounds: int) -> Dict[str, Any]:
             def then(setup: Callable[[], None], before: Any = before) -> Callable[[], None]:
                 return setup if before is None else (lambda: (setup(), before()))
 
-            setups = {n: then(no_launch if n == "wrapper_no_launch" else real_launch) for n in fns}
+            setups = {n: then(prepare.get(n, real_launch)) for n in fns}
             timed = bp.time_host_group(fns, setups, rounds, warmup=5)
             result[mode] = {
                 n: {"median_us": t["median_us"], "overhead_us": t.get("overhead_us")}
@@ -100,6 +113,7 @@ def split(wl: bp.Workload, te: bp.TE, rounds: int) -> Dict[str, Any]:
         stub.release()  # type: ignore[attr-defined]
         guard._fixed.pop(index, None)
     result["host_context"] = bp.host_context(since=since)
+    result["launched_from_c"] = c_launch.launch_count() - launched_from_c
     return result
 
 
@@ -119,14 +133,18 @@ def main(argv: List[str] = sys.argv[1:]) -> int:
     }
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "wake_split.json").write_text(json.dumps(report, indent=1, default=str))
-    names = ["wrapper", "wrapper_no_launch", "launch", "torch_op"]
+    names = [
+        "wrapper", "wrapper_python_launch", "wrapper_no_launch", "launch", "launch_python",
+        "torch_op",
+    ]  # fmt: skip
     print("| workload | mode | stub | " + " | ".join(f"{n} (over stub)" for n in names) + " |")
     for r in report["results"]:
         for mode in ("back_to_back", "after_te"):
             t = r[mode]
             cells = " | ".join(f"{t[n]['overhead_us']:.1f} us" for n in names)
             print(f"| {r['workload']} | {mode} | {t['stub']['median_us']:.1f} us | {cells} |")
-        print(f"  {r['workload']}: {r['host_context']}")
+        print(f"  {r['workload']}: C launch record {r['c_launch_record']}, "
+              f"{r['launched_from_c']} launches from C; {r['host_context']}")  # fmt: skip
     return 0
 
 
