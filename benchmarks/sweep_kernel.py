@@ -19,6 +19,7 @@ along the call chain).
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import json
 import os
@@ -235,7 +236,7 @@ def against(
     return _row("against", wl, nbytes, bw, t, same=same)
 
 
-def host_overhead(wl: bp.Workload, n: int = 2000) -> Dict[str, float]:
+def host_overhead(wl: bp.Workload, n: int = 2000) -> Dict[str, Any]:
     """Host microseconds per call (queued, no sync) along the post-pass call chain."""
     import triton
     import triton.language as tl
@@ -301,12 +302,20 @@ def host_overhead(wl: bp.Workload, n: int = 2000) -> Dict[str, float]:
     pos, rest = bp.positional(fake, kw)
     assert not rest, rest
 
-    def wrapper_with(fixed_now: bool, positional: bool = False) -> Callable[[], Any]:
+    def wrapper_with(
+        fixed_now: bool, positional: bool = False, from_c: bool = True
+    ) -> Callable[[], Any]:
         def call() -> Any:
             guard._fixed[index] = fixed_now
+            plan.c = record if from_c else None  # the launch from C, or from Python
             return wrapped(*pos) if positional else wrapped(**kw)
 
         return call
+
+    # The C launch (te_gqa_fix.c_launch, Triton 3.5/3.6), and the plan without it.
+    record = plan.c
+    python_plan = copy.copy(plan)
+    python_plan.c = None
 
     chain = {
         "torch_zero_64_floats": lambda: x.zero_(),
@@ -314,6 +323,7 @@ def host_overhead(wl: bp.Workload, n: int = 2000) -> Dict[str, float]:
         "fake_te_call_positional": lambda: fake(*pos),
         "wrapper_on_fake_postpass_kwargs": wrapper_with(False),
         "wrapper_on_fake_postpass_positional": wrapper_with(False, True),
+        "wrapper_on_fake_postpass_positional_python_launch": wrapper_with(False, True, False),
         "wrapper_on_fake_passthrough_kwargs": wrapper_with(True),
         "compiled_run_tensor_args": lambda: run(
             g0, g1, 1, stream, function, packed, None, None, None, *tensors, *plan.tail
@@ -326,7 +336,9 @@ def host_overhead(wl: bp.Workload, n: int = 2000) -> Dict[str, float]:
         "launcher_call_int_args": lambda: call(
             g0, g1, 1, stream, function, *head, *ptrs, *plan.tail
         ),
+        "c_launch": lambda: tp._c_launch(record, *tensors[:7]),
         "tp._run": lambda: tp._run(plan, tensors[:7]),
+        "tp._run_python_launch": lambda: tp._run(python_plan, tensors[:7]),
         "triton_empty_kernel_2_args": lambda: _empty[(1,)](x, 64, BLOCK=64),
         "raw_launch_of_this_kernel": lambda: kernel[grid](*args, **meta),
         "_launch": lambda: tp._launch(dq, dk, dv, *offs, span),
@@ -379,8 +391,11 @@ def host_overhead(wl: bp.Workload, n: int = 2000) -> Dict[str, float]:
         guard._fixed.pop(index, None)
     else:
         guard._fixed[index] = fixed
-    for mode in ("kwargs", "positional"):
-        over = out[f"wrapper_on_fake_postpass_{mode}"] - out[f"fake_te_call_{mode}"]
+    plan.c = record
+    out["c_launch_record"] = record is not None
+    for mode in ("kwargs", "positional", "positional_python_launch"):
+        fake_mode = "positional" if mode.startswith("positional") else mode
+        over = out[f"wrapper_on_fake_postpass_{mode}"] - out[f"fake_te_call_{fake_mode}"]
         out[f"wrapper_adds_postpass_{mode}"] = over
         print(f"host wrapper adds (post-pass, {mode}) {over:7.1f} us/call", flush=True)
     over = out["wrapper_on_fake_passthrough_kwargs"] - out["fake_te_call_kwargs"]
