@@ -8,6 +8,7 @@ safe: what is cached, what is still checked on every call, and the fallbacks.
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 import logging
 from typing import Any, Dict, List, Optional, Tuple
@@ -581,10 +582,14 @@ class _CDriver:
         self.fake = fake_driver()
         self.module = c_launch.build()
         self.hooks = _Hooks()
-        self.module.setup(self.fake.__file__, lambda: device, lambda index: 1234, self.hooks)
+        self.module.setup(
+            self.fake.__file__, lambda: device, lambda index: 1234, self.hooks,
+            *triton_postpass._PLAIN,
+        )  # fmt: skip
         self.fake.launches()  # drop earlier tests' records
         self.n_record = 0
         monkeypatch.setattr(triton_postpass, "_c_launch", self.module.launch)
+        monkeypatch.setattr(triton_postpass, "_c_serve", self.module.serve)
         monkeypatch.setattr(triton_postpass, "_runtime_knobs", self.hooks)
 
     def configure(self, n_record: int, status: int = 0, context: bool = True) -> None:
@@ -706,10 +711,10 @@ def _record_args(n: int = 3) -> Tuple[Any, tuple]:
 
 def test_record_packs_what_the_c_launch_reads() -> None:
     compiled, args = _record_args()
-    rec = c_launch.record(compiled, args, (7, 1, 1), 3)
+    rec = c_launch.record(compiled, args, (7, 1, 1), 3, words=0xBEEF0)
     assert rec is not None and len(rec) == c_launch.HEADER.size + 8 * 11
     head = c_launch.HEADER.unpack_from(rec)
-    assert head == (0xF00D, 7, 1, 1, 256, 1024, 3, 11, 0)
+    assert head == (0xF00D, 7, 1, 1, 256, 1024, 3, 11, 0, 0xBEEF0)
     slots = [
         rec[c_launch.HEADER.size + 8 * i : c_launch.HEADER.size + 8 * (i + 1)] for i in range(11)
     ]
@@ -771,11 +776,73 @@ def test_c_launch_module_refuses_malformed_calls(monkeypatch: pytest.MonkeyPatch
     assert driver.fake.launches() == []
 
 
+class _Sub(torch.Tensor):
+    """A tensor subclass: not a plain tensor (the lane sends it to the general path)."""
+
+
+@pytest.mark.parametrize(
+    "change, served",
+    [
+        ("none", True), ("tuple", True), ("parameter", True), ("dq not fixed", True),
+        ("dq shape", False), ("dk strides", False), ("dv dtype", False), ("dv device", False),
+        ("dk subclass", False), ("two outputs", False), ("dict", False), ("pending", False),
+    ],
+)  # fmt: skip
+def test_serve_checks_what_the_lane_checks(
+    monkeypatch: pytest.MonkeyPatch, change: str, served: bool
+) -> None:
+    """serve() launches only for outputs whose key equals the recorded one (shape,
+    strides, dtype, device index of dQ when fixed, dK, dV; plain tensors; a list or tuple
+    of three or more) and no bad offsets pending; else it declines, launching nothing."""
+    from te_gqa_fix import offset_errors
+
+    driver = _CDriver(monkeypatch)
+    driver.configure(7)
+    words = offset_errors.pending_words(torch.device("cpu"))
+    compiled, args = _record_args()
+    rec = c_launch.record(compiled, args, (1, 1, 1), 0, words=ctypes.addressof(words))
+    dq, dk, dv = torch.zeros(16, 4, 8), torch.zeros(16, 2, 8), torch.zeros(16, 2, 8)
+    cu = torch.zeros(4, dtype=torch.int32)
+    key = triton_postpass.output_key(None if change == "dq not fixed" else dq, dk, dv)
+    out: Any = [dq, dk, dv, None]
+    if change == "tuple":
+        out = tuple(out)
+    elif change == "parameter":
+        out[1] = torch.nn.Parameter(dk)
+    elif change in ("dq not fixed", "dq shape"):
+        out[0] = dq[:8]
+    elif change == "dk strides":
+        out[1] = dk.transpose(0, 1).contiguous().transpose(0, 1)
+    elif change == "dv dtype":
+        out[2] = dv.double()
+    elif change == "dv device":
+        key = (*key[:11], 0)  # recorded on device 0; these are CPU tensors (-1)
+    elif change == "dk subclass":
+        out[1] = dk.as_subclass(_Sub)
+    elif change == "two outputs":
+        out = out[:2]
+    elif change == "dict":
+        out = dict(enumerate(out))
+    try:
+        if change == "pending":
+            words[1] = 4
+        got = driver.module.serve(rec, key, out, cu, cu, cu, cu)
+    finally:
+        offset_errors._reset()
+    launches = driver.fake.launches()
+    assert got is served and len(launches) == int(served), (change, got, launches)
+    if served:
+        first = out[0] if len(key) == 12 else out[1]
+        assert launches[0][9][:3] == tuple(t.data_ptr() for t in (first, out[1], out[2]))
+    with pytest.raises(ValueError, match="output key"):
+        driver.module.serve(rec, key[:5], out, cu, cu, cu, cu)
+
+
 def test_c_launch_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(c_launch, "_module", None)
     monkeypatch.setattr(c_launch, "_tried", False)
     monkeypatch.setenv("TE_GQA_FIX_C_LAUNCH", "0")
-    assert c_launch.load("libcuda.so.1", lambda: 0, lambda i: 0, None) is None
+    assert c_launch.load("libcuda.so.1", lambda: 0, lambda i: 0, None, (torch.Tensor,) * 2) is None
     assert c_launch._tried is False and c_launch._module is None
 
 
@@ -788,7 +855,8 @@ def test_c_launch_unavailable_is_logged_once(
     monkeypatch.setattr(c_launch, "_tried", False)
     with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
         for _ in range(2):
-            assert c_launch.load("/nonexistent/libcuda.so.1", lambda: 0, lambda i: 0, None) is None
+            loaded = c_launch.load("/nonexistent/libcuda.so", lambda: 0, lambda i: 0, None, ())
+            assert loaded is None
     assert sum("from C is unavailable" in r.getMessage() for r in caplog.records) == 1
 
 
@@ -918,10 +986,26 @@ class _Lane:
     kernel and compiled kernel are the recording stand-ins above. ``general`` counts the
     calls that took the general path (its first step, ``_prepare``)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, version: str = "2.20") -> None:
-        self.compiled = _Compiled()
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, version: str = "2.20", c: bool = False):
+        self.c = c
+        self.compiled = _CompiledForC(CudaLauncher()) if c else _Compiled()
         self.kernel = _Kernel(self.compiled)
         self.hooks = _fake_cuda(monkeypatch, self.kernel)
+        self.driver: Optional[_CDriver] = None
+        self.c_log: List[tuple] = []
+        if c:  # Triton 3.6: the C launch, on the fake driver
+            monkeypatch.setattr(triton_postpass, "_triton_version", lambda: "3.6.0")
+            monkeypatch.setattr(triton_postpass, "_libcuda", _Driver(0))
+            self.driver = _CDriver(monkeypatch)
+            self.hooks = self.driver.hooks
+            launch = triton_postpass._c_launch
+
+            def counted(*args: Any) -> Any:  # the C launch reached through _run
+                self.through_run += 1
+                return launch(*args)
+
+            monkeypatch.setattr(triton_postpass, "_c_launch", counted)
+        self.through_run = 0
         self.fixed = False
         self.general = 0
         monkeypatch.setattr(wrapper_module, "_device_index", lambda q: 0)
@@ -934,6 +1018,10 @@ class _Lane:
         def on_device_0(*args: Any) -> Any:
             plan = make_plan(*args)
             plan.device_index = 0
+            if self.driver is not None:
+                signature = kernel_signature(_KERNEL_ARGS, plan.scalars, plan.meta)
+                self.compiled.src = type("Src", (), {"signature": signature})()
+                self.driver.configure(7)  # the seven tensors' addresses
             return plan
 
         monkeypatch.setattr(triton_postpass, "_make_launch_plan", on_device_0)
@@ -961,51 +1049,76 @@ class _Lane:
             self.call()
         assert self.general == 2
 
+    def direct(self) -> List[tuple]:
+        """The seven pointers of every direct launch so far: from C (the fake driver's
+        record) with ``c``, else through the recording compiled kernel. With ``c`` no
+        direct launch may have gone through Python: the C launch would have been skipped."""
+        if self.driver is None:
+            return [launch[9:16] for launch in self.compiled.launches]
+        self.c_log += [launch[9][:7] for launch in self.driver.fake.launches()]
+        assert self.compiled.run.launch.calls == [], "a direct launch skipped the C launch"
+        return self.c_log
+
+
+@pytest.fixture(params=[False, True], ids=["python-launch", "c-launch"])
+def lane_c(request: pytest.FixtureRequest) -> bool:
+    """The lane tests run twice: launching from Python, and from C (te_gqa_fix.c_launch on
+    the fake driver, serve() after TE's call), which must behave the same."""
+    if request.param:
+        pytest.importorskip("triton.runtime.build")
+    return bool(request.param)
+
 
 def _pointers(out: list, arguments: Dict[str, Any]) -> tuple:
     names = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
     return tuple(t.data_ptr() for t in (*out[:3], *(arguments[n] for n in names)))
 
 
-def test_lane_serves_repeat_calls_with_new_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lane_serves_repeat_calls_with_new_tensors(
+    monkeypatch: pytest.MonkeyPatch, lane_c: bool
+) -> None:
     """From the third call of a shape on, TE-style calls skip the general path and launch
     directly, on this call's outputs and offsets."""
-    lane = _Lane(monkeypatch)
+    lane = _Lane(monkeypatch, c=lane_c)
     lane.warm()
-    assert len(lane.kernel.slow) == 1 and len(lane.compiled.launches) == 1
+    assert len(lane.kernel.slow) == 1 and len(lane.direct()) == 1
+    through_run = lane.through_run
     for i in range(3):
         out, arguments = lane.call()
         assert lane.general == 2, f"call {i + 3} took the general path"
-        launch = lane.compiled.launches[-1]
-        assert launch[9:16] == _pointers(out, arguments)
-    assert len(lane.kernel.slow) == 1 and len(lane.compiled.launches) == 4
+        assert lane.direct()[-1] == _pointers(out, arguments)
+    # From C: the lane's serve() after TE's call, not its Python path into _run.
+    assert lane.through_run == through_run
+    assert len(lane.kernel.slow) == 1 and len(lane.direct()) == 4
     assert call_counts() == {"calls": 5, "fixed": 5, "skipped": 0, "passthrough": 0, "fast_lane": 3}
 
 
 @pytest.mark.parametrize("n_positional", [0, 12, 20])
 def test_lane_serves_calls_with_keywords(
-    monkeypatch: pytest.MonkeyPatch, n_positional: int
+    monkeypatch: pytest.MonkeyPatch, lane_c: bool, n_positional: int
 ) -> None:
     """TE's context-parallel call sites pass the first twelve arguments by position and the
     rest by keyword: the same lane, keyed on TE's layout rule (which layout argument was
     given), serves them from the third call on."""
     from fakes.te_outputs import split_call
 
-    lane = _Lane(monkeypatch)
+    lane = _Lane(monkeypatch, c=lane_c)
     for i in range(4):
         arguments = call_arguments("2.20", RAGGED)
         args, kwargs = split_call(lane.fake.names, arguments, n_positional)
         out = lane.wrapped(*args, **kwargs)
         assert lane.general == min(i + 1, 2), f"call {i + 1}"
-        assert i == 0 or lane.compiled.launches[-1][9:16] == _pointers(out, arguments)
+        assert i == 0 or lane.direct()[-1] == _pointers(out, arguments)
     assert call_counts()["fixed"] == 4
 
 
-def test_lane_keys_on_which_layout_argument_was_given(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lane_keys_on_which_layout_argument_was_given(
+    monkeypatch: pytest.MonkeyPatch, lane_c: bool
+) -> None:
     """The wrapper reads ``dqkv_layout`` when the call gives it, else ``qkv_layout``: a
     call that gives ``dqkv_layout`` its default value must not be served by the entry of
     calls that left it out (TE 2.20's default is ``sbh3d``, not THD: nothing to do)."""
-    lane = _Lane(monkeypatch)
+    lane = _Lane(monkeypatch, c=lane_c)
     default = inspect.signature(lane.fake.fn).parameters["dqkv_layout"].default
     assert default == "sbh3d"
     for _ in range(3):
@@ -1015,19 +1128,19 @@ def test_lane_keys_on_which_layout_argument_was_given(monkeypatch: pytest.Monkey
     assert lane.general == 2 and call_counts()["fixed"] == 3
     arguments = call_arguments("2.20", RAGGED)
     arguments["dqkv_layout"] = default
-    launches = len(lane.compiled.launches)
+    launches = len(lane.direct())
     lane.wrapped(**arguments)
-    assert lane.general == 3 and len(lane.compiled.launches) == launches
+    assert lane.general == 3 and len(lane.direct()) == launches
     assert call_counts()["skipped"] == 1
 
 
-def test_lane_passes_through_on_fixed_cudnn(monkeypatch: pytest.MonkeyPatch) -> None:
-    lane = _Lane(monkeypatch)
+def test_lane_passes_through_on_fixed_cudnn(monkeypatch: pytest.MonkeyPatch, lane_c: bool) -> None:
+    lane = _Lane(monkeypatch, c=lane_c)
     lane.warm()
     lane.fixed = True
     lane.fake.backend.reset()
     lane.call()
-    assert lane.general == 2 and len(lane.compiled.launches) == 1
+    assert lane.general == 2 and len(lane.direct()) == 1
     assert call_counts()["skipped"] == 1
     for name, (after, before) in lane.fake.backend.outputs.items():
         assert torch.equal(bits(after), bits(before)), name
@@ -1041,10 +1154,12 @@ def _noncontiguous(t: torch.Tensor) -> torch.Tensor:
     "change",
     ["keywords", "policy", "validate", "shape", "layout", "noncontiguous", "guard", "broken"],
 )
-def test_lane_steps_aside_for_anything_new(monkeypatch: pytest.MonkeyPatch, change: str) -> None:
+def test_lane_steps_aside_for_anything_new(
+    monkeypatch: pytest.MonkeyPatch, lane_c: bool, change: str
+) -> None:
     """Each of these sends the call through the general path (a given-up kernel: the
     general post-pass after TE's call, checked against the oracle)."""
-    lane = _Lane(monkeypatch)
+    lane = _Lane(monkeypatch, c=lane_c)
     lane.warm()
     ragged, kw, mask = RAGGED, {}, "padding_causal"
     lane.fake.backend.reset()
@@ -1076,15 +1191,17 @@ def test_lane_steps_aside_for_anything_new(monkeypatch: pytest.MonkeyPatch, chan
             lane.call(ragged, **kw)
     if change == "broken":  # the kernel was given up: the lane hands TE's outputs to the
         # general post-pass, which runs PyTorch's
-        assert lane.general == 2 and len(lane.compiled.launches) == 1
+        assert lane.general == 2 and len(lane.direct()) == 1
         _check(lane.fake, None, ragged, mask, (-1, -1), None)
     else:
         assert lane.general == 3
 
 
-def test_lane_follows_setting_changes_both_ways(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lane_follows_setting_changes_both_ways(
+    monkeypatch: pytest.MonkeyPatch, lane_c: bool
+) -> None:
     """A changed setting clears the lane; set back, it is learned again (two calls)."""
-    lane = _Lane(monkeypatch)
+    lane = _Lane(monkeypatch, c=lane_c)
     lane.warm()
     monkeypatch.setenv("TE_GQA_FIX", "off")
     lane.fake.backend.reset()
@@ -1098,14 +1215,16 @@ def test_lane_follows_setting_changes_both_ways(monkeypatch: pytest.MonkeyPatch)
     assert lane.general == 5  # read the settings, record, then the lane
 
 
-def test_lane_checks_the_outputs_and_pending_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lane_checks_the_outputs_and_pending_errors(
+    monkeypatch: pytest.MonkeyPatch, lane_c: bool
+) -> None:
     """After TE's call: outputs of other metadata than recorded go to the launch cache
     (a new plan, Triton's own launch) and are recorded; bad offsets recorded by an
     earlier call raise before anything is launched, then the lane serves again."""
     from fakes.te_outputs import FakeBackend
     from te_gqa_fix import offset_errors
 
-    lane = _Lane(monkeypatch)
+    lane = _Lane(monkeypatch, c=lane_c)
     lane.warm()
     plain = FakeBackend.__call__
 
@@ -1119,18 +1238,16 @@ def test_lane_checks_the_outputs_and_pending_errors(monkeypatch: pytest.MonkeyPa
     assert lane.general == 2  # the inputs are as recorded
     assert len(lane.kernel.slow) == 2, "the new output strides reused the recorded plan"
     out, arguments = lane.call()  # recorded in the step before: the lane, directly
-    assert len(lane.kernel.slow) == 2 and lane.compiled.launches[-1][9:16] == _pointers(
-        out, arguments
-    )
-    direct = len(lane.compiled.launches)
+    assert len(lane.kernel.slow) == 2 and lane.direct()[-1] == _pointers(out, arguments)
+    direct = len(lane.direct())
     words = offset_errors.pending_words(torch.device("cpu"))
     try:
         words[0] = offset_errors.ARGUMENT_BITS["cu_seqlens_kv"]
         with pytest.raises(offset_errors.OffsetsError, match=r"^cu_seqlens_kv\b"):
             lane.call()
-        assert len(lane.compiled.launches) == direct, "launched despite the recorded error"
+        assert len(lane.direct()) == direct, "launched despite the recorded error"
         lane.call()  # cleared: the lane again
-        assert len(lane.compiled.launches) == direct + 1 and lane.general == 2
+        assert len(lane.direct()) == direct + 1 and lane.general == 2
     finally:
         offset_errors._reset()
 

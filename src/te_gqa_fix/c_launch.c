@@ -8,6 +8,13 @@
  * what that launcher does after (the parameter array, cuLaunchKernel with the GIL
  * released), without building and parsing a tuple of every kernel argument.
  *
+ * serve(record, expected, out, cu_q, cu_kv, pad_q, pad_kv) is the wrapper's fast lane
+ * after TE's call: TE's return value checked as the lane checks it in Python (a list or
+ * tuple of at least three; dQ (when fixed), dK and dV plain tensors whose shape, strides,
+ * dtype and device index equal te_gqa_fix.triton_postpass.output_key's ``expected``), no
+ * bad offsets pending in the record's host words, then launch(). False: the lane's
+ * Python path decides, as before.
+ *
  * Built at run time by Triton's own C build helper, as Triton builds its launchers.
  * No CUDA headers: the driver entry points are looked up in the library setup() names.
  */
@@ -41,13 +48,16 @@ typedef struct {
   int32_t device;
   uint32_t n_params;
   uint32_t reserved;
+  uint64_t words; /* address of the device's two int32 host error words, 0: none */
   uint64_t slots[];
 } record_t;
 
 static launch_fn cu_launch = NULL;
 static context_fn cu_context = NULL;
 static PyObject *get_device = NULL, *raw_stream = NULL, *knobs = NULL;
+static PyObject *tensor_type = NULL, *parameter_type = NULL;
 static PyObject *data_ptr_name = NULL, *enter_name = NULL, *exit_name = NULL, *calls_name = NULL;
+static PyObject *shape_name = NULL, *stride_name = NULL, *dtype_name = NULL, *get_device_name = NULL;
 static unsigned long long launched = 0;
 
 /* Py_NewRef is Python 3.10+. */
@@ -77,61 +87,67 @@ static int hook_clear(PyObject *name) {
   return truth < 0 ? -1 : truth == 0;
 }
 
-static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  (void)self;
-  if (nargs != 1 + N_TENSORS || !PyBytes_CheckExact(args[0])) {
-    PyErr_SetString(PyExc_TypeError, "launch(record: bytes, t0, ..., t6)");
-    return NULL;
-  }
+/* The record in ``obj``, checked; NULL (an exception set) when malformed. */
+static const record_t *get_record(PyObject *obj) {
   if (!cu_launch) {
     PyErr_SetString(PyExc_RuntimeError, "te_gqa_fix c_launch: setup() was not called");
     return NULL;
   }
-  const record_t *rec = (const record_t *)PyBytes_AS_STRING(args[0]);
-  Py_ssize_t size = PyBytes_GET_SIZE(args[0]);
+  if (!PyBytes_CheckExact(obj)) {
+    PyErr_SetString(PyExc_TypeError, "te_gqa_fix c_launch: the record must be bytes");
+    return NULL;
+  }
+  const record_t *rec = (const record_t *)PyBytes_AS_STRING(obj);
+  Py_ssize_t size = PyBytes_GET_SIZE(obj);
   if (size < (Py_ssize_t)sizeof(record_t) || rec->n_params < N_TENSORS ||
       rec->n_params > MAX_PARAMS ||
       size != (Py_ssize_t)(sizeof(record_t) + 8 * (size_t)rec->n_params)) {
     PyErr_SetString(PyExc_ValueError, "te_gqa_fix c_launch: malformed launch record");
     return NULL;
   }
+  return rec;
+}
+
+/* Launch ``rec``'s kernel on the seven tensors: 1 launched, 0 declined (nothing done:
+ * Triton's path must run), -1 error (an exception set). */
+static int do_launch(const record_t *rec, PyObject *const *tensors) {
   uint64_t slots[MAX_PARAMS];
   memcpy(slots, rec->slots, 8 * (size_t)rec->n_params);
   uint64_t any = 0;
   for (int i = 0; i < N_TENSORS; i++) {
-    PyObject *ptr = PyObject_CallMethodNoArgs(args[1 + i], data_ptr_name);
-    if (!ptr) return NULL;
+    PyObject *ptr = PyObject_CallMethodNoArgs(tensors[i], data_ptr_name);
+    if (!ptr) return -1;
     uint64_t value = PyLong_AsUnsignedLongLong(ptr);
     Py_DECREF(ptr);
-    if (value == (uint64_t)-1 && PyErr_Occurred()) return NULL;
+    if (value == (uint64_t)-1 && PyErr_Occurred()) return -1;
     slots[i] = value;
     any |= value;
   }
   /* Triton specializes pointers on 16-byte alignment: the record's kernel is the one
    * compiled for all seven aligned. */
-  if (any & 15) Py_RETURN_FALSE;
+  if (any & 15) return 0;
   int clear = hook_clear(enter_name);
-  if (clear <= 0) return clear < 0 ? NULL : new_ref(Py_False);
+  if (clear <= 0) return clear;
   clear = hook_clear(exit_name);
-  if (clear <= 0) return clear < 0 ? NULL : new_ref(Py_False);
+  if (clear <= 0) return clear;
   PyObject *dev = PyObject_CallNoArgs(get_device);
-  if (!dev) return NULL;
+  if (!dev) return -1;
   long device = PyLong_AsLong(dev);
   Py_DECREF(dev);
-  if (device == -1 && PyErr_Occurred()) return NULL;
-  if (device != rec->device) Py_RETURN_FALSE;
+  if (device == -1 && PyErr_Occurred()) return -1;
+  if (device != rec->device) return 0;
   /* No current context on this thread: Triton's launcher makes one current first. */
   CUcontext context = NULL;
-  if (cu_context(&context) != 0 || context == NULL) Py_RETURN_FALSE;
+  if (cu_context(&context) != 0 || context == NULL) return 0;
   PyObject *index = PyLong_FromLong(device);
-  if (!index) return NULL;
+  if (!index) return -1;
   PyObject *handle = PyObject_CallOneArg(raw_stream, index);
   Py_DECREF(index);
-  if (!handle) return NULL;
+  if (!handle) return -1;
   uint64_t stream = PyLong_AsUnsignedLongLong(handle);
   Py_DECREF(handle);
-  if (stream == (uint64_t)-1 && PyErr_Occurred()) return NULL;
-  if ((uint64_t)rec->grid_x * rec->grid_y * rec->grid_z == 0) Py_RETURN_TRUE;
+  if (stream == (uint64_t)-1 && PyErr_Occurred()) return -1;
+  if ((uint64_t)rec->grid_x * rec->grid_y * rec->grid_z == 0) return 1;
   uint64_t scratch[2] = {0, 0};
   void *params[MAX_PARAMS + 2];
   for (uint32_t i = 0; i < rec->n_params; i++) params[i] = &slots[i];
@@ -146,17 +162,103 @@ static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
   if (status != 0) {
     PyErr_Format(PyExc_RuntimeError, "te_gqa_fix c_launch: cuLaunchKernel returned %d",
                  status);
-    return NULL;
+    return -1;
   }
   launched++;
-  Py_RETURN_TRUE;
+  return 1;
+}
+
+static PyObject *result(int outcome) {
+  if (outcome < 0) return NULL;
+  return new_ref(outcome ? Py_True : Py_False);
+}
+
+static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  (void)self;
+  if (nargs != 1 + N_TENSORS) {
+    PyErr_SetString(PyExc_TypeError, "launch(record, t0, ..., t6)");
+    return NULL;
+  }
+  const record_t *rec = get_record(args[0]);
+  if (!rec) return NULL;
+  return result(do_launch(rec, args + 1));
+}
+
+/* 1: ``value`` equals ``want`` (==, as Python compares the lane's output key); 0: not;
+ * -1: error. Steals the reference to ``value``. */
+static int equal(PyObject *value, PyObject *want) {
+  if (!value) return -1;
+  int eq = value == want ? 1 : PyObject_RichCompareBool(value, want, Py_EQ);
+  Py_DECREF(value);
+  return eq;
+}
+
+/* 1: tensor ``t`` is a plain tensor with the four facts ``want[0..3]`` (shape, strides,
+ * dtype, device index: te_gqa_fix.triton_postpass.output_key's); 0: not; -1: error. */
+static int same_facts(PyObject *t, PyObject *const *want) {
+  if ((PyObject *)Py_TYPE(t) != tensor_type && (PyObject *)Py_TYPE(t) != parameter_type)
+    return 0;
+  int eq = equal(PyObject_GetAttr(t, shape_name), want[0]);
+  if (eq == 1) eq = equal(PyObject_CallMethodNoArgs(t, stride_name), want[1]);
+  if (eq == 1) eq = equal(PyObject_GetAttr(t, dtype_name), want[2]);
+  if (eq == 1) eq = equal(PyObject_CallMethodNoArgs(t, get_device_name), want[3]);
+  return eq;
+}
+
+static PyObject *serve(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  (void)self;
+  if (nargs != 7 || !PyTuple_CheckExact(args[1])) {
+    PyErr_SetString(PyExc_TypeError,
+                    "serve(record, expected: tuple, out, cu_q, cu_kv, pad_q, pad_kv)");
+    return NULL;
+  }
+  const record_t *rec = get_record(args[0]);
+  if (!rec) return NULL;
+  /* output_key(dq, dk, dv): 12 facts, or None and 8 when dQ is not fixed. */
+  PyObject *expected = args[1];
+  Py_ssize_t n_expected = PyTuple_GET_SIZE(expected);
+  if (n_expected != 12 && (n_expected != 9 || PyTuple_GET_ITEM(expected, 0) != Py_None)) {
+    PyErr_SetString(PyExc_ValueError, "te_gqa_fix c_launch: expected must be an output key");
+    return NULL;
+  }
+  PyObject *out = args[2];
+  PyObject *dq, *dk, *dv;
+  if (PyList_CheckExact(out) && PyList_GET_SIZE(out) > 2) {
+    dq = PyList_GET_ITEM(out, 0);
+    dk = PyList_GET_ITEM(out, 1);
+    dv = PyList_GET_ITEM(out, 2);
+  } else if (PyTuple_CheckExact(out) && PyTuple_GET_SIZE(out) > 2) {
+    dq = PyTuple_GET_ITEM(out, 0);
+    dk = PyTuple_GET_ITEM(out, 1);
+    dv = PyTuple_GET_ITEM(out, 2);
+  } else {
+    Py_RETURN_FALSE;
+  }
+  /* Borrowed from ``out``: hold them while Python code (tensor attributes) runs. */
+  PyObject *tensors[N_TENSORS] = {n_expected == 12 ? dq : dk, dk, dv,
+                                  args[3], args[4], args[5], args[6]};
+  for (int i = 0; i < 3; i++) Py_INCREF(tensors[i]);
+  PyObject *const *want = &PyTuple_GET_ITEM(expected, n_expected == 12 ? 0 : 1);
+  int outcome = 1;
+  if (n_expected == 12) outcome = same_facts(dq, want);
+  if (outcome == 1) outcome = same_facts(dk, want + (n_expected == 12 ? 4 : 0));
+  if (outcome == 1) outcome = same_facts(dv, want + (n_expected == 12 ? 8 : 4));
+  if (outcome == 1 && rec->words) {
+    /* Bad offsets an earlier call recorded (the kernel stores here): the lane raises. */
+    volatile const int32_t *words = (volatile const int32_t *)(uintptr_t)rec->words;
+    if (words[0] | words[1]) outcome = 0;
+  }
+  if (outcome == 1) outcome = do_launch(rec, tensors);
+  for (int i = 0; i < 3; i++) Py_DECREF(tensors[i]);
+  return result(outcome);
 }
 
 static PyObject *setup(PyObject *self, PyObject *args) {
   (void)self;
   const char *library;
-  PyObject *device_fn, *stream_fn, *runtime_knobs;
-  if (!PyArg_ParseTuple(args, "sOOO", &library, &device_fn, &stream_fn, &runtime_knobs))
+  PyObject *device_fn, *stream_fn, *runtime_knobs, *tensor, *parameter;
+  if (!PyArg_ParseTuple(args, "sOOOOO", &library, &device_fn, &stream_fn, &runtime_knobs,
+                        &tensor, &parameter))
     return NULL;
   void *lib = dlopen(library, RTLD_NOW | RTLD_LOCAL);
   if (!lib) {
@@ -172,6 +274,8 @@ static PyObject *setup(PyObject *self, PyObject *args) {
   Py_XSETREF(get_device, new_ref(device_fn));
   Py_XSETREF(raw_stream, new_ref(stream_fn));
   Py_XSETREF(knobs, new_ref(runtime_knobs));
+  Py_XSETREF(tensor_type, new_ref(tensor));
+  Py_XSETREF(parameter_type, new_ref(parameter));
   cu_launch = launch_entry;
   cu_context = context_entry;
   Py_RETURN_NONE;
@@ -192,8 +296,12 @@ static PyObject *header_size(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL,
      "launch(record, t0, ..., t6) -> bool: launched, or declined (use Triton's path)"},
+    {"serve", (PyCFunction)(void (*)(void))serve, METH_FASTCALL,
+     "serve(record, expected, out, cu_q, cu_kv, pad_q, pad_kv) -> bool: TE's outputs "
+     "checked, then launch()"},
     {"setup", setup, METH_VARARGS,
-     "setup(libcuda, get_device, raw_stream, runtime_knobs): the driver and torch's calls"},
+     "setup(libcuda, get_device, raw_stream, runtime_knobs, Tensor, Parameter): the "
+     "driver, torch's calls and the plain tensor types"},
     {"launches", launches, METH_NOARGS, "kernels launched through launch() so far"},
     {"header_size", header_size, METH_NOARGS, "bytes of a record before its slots"},
     {NULL, NULL, 0, NULL}};
@@ -206,6 +314,12 @@ PyMODINIT_FUNC PyInit_te_gqa_fix_c_launch(void) {
   enter_name = PyUnicode_InternFromString("launch_enter_hook");
   exit_name = PyUnicode_InternFromString("launch_exit_hook");
   calls_name = PyUnicode_InternFromString("calls");
-  if (!data_ptr_name || !enter_name || !exit_name || !calls_name) return NULL;
+  shape_name = PyUnicode_InternFromString("shape");
+  stride_name = PyUnicode_InternFromString("stride");
+  dtype_name = PyUnicode_InternFromString("dtype");
+  get_device_name = PyUnicode_InternFromString("get_device");
+  if (!data_ptr_name || !enter_name || !exit_name || !calls_name || !shape_name ||
+      !stride_name || !dtype_name || !get_device_name)
+    return NULL;
   return PyModule_Create(&module);
 }

@@ -15,7 +15,10 @@ passes them (the signature less its constexprs; two scratch pointers follow). ``
 (built on first use with Triton's own C build helper, as Triton builds its launchers, and
 cached by Triton) reads the seven addresses into slots 0-6 and calls ``cuLaunchKernel``.
 It declines, doing nothing, whenever Triton's own path must run: a pointer not 16-byte
-aligned, a launch hook set, another current device, no current CUDA context.
+aligned, a launch hook set, another current device, no current CUDA context. The
+wrapper's fast lane calls ``serve`` right after TE's call: TE's outputs checked against
+the output key the lane recorded (as the lane checks them in Python), no bad offsets
+pending, then the same launch: after TE's call, in C only.
 
 When: only for kernels Triton 3.5/3.6 compiled (the releases whose launcher was read:
 ``te_gqa_fix.triton_postpass._C_LAUNCH_RELEASES``) with one CTA per program, no
@@ -38,9 +41,9 @@ __all__ = ["enabled", "launch_count", "load", "record"]
 
 ENV = "TE_GQA_FIX_C_LAUNCH"
 
-#: function, grid x/y/z, threads per block, shared memory, device, parameters, reserved:
-#: ``record_t`` in c_launch.c, little-endian, no padding.
-HEADER = struct.Struct("<QIIIIIiII")
+#: function, grid x/y/z, threads per block, shared memory, device, parameters, reserved,
+#: the address of the host error words: ``record_t`` in c_launch.c, little-endian.
+HEADER = struct.Struct("<QIIIIIiIIQ")
 #: Kernel parameters are tensors' addresses first: slots 0-6 are rewritten per call.
 N_TENSORS = 7
 MAX_PARAMS = 128
@@ -80,20 +83,23 @@ def load(
     get_device: Callable[[], int],
     raw_stream: Callable[[int], int],
     runtime_knobs: Any,
-) -> Optional[Callable[..., bool]]:
-    """The module's ``launch``, set up once per process: the driver ``library``, and what
-    it calls per launch for the current device, its current stream and Triton's launch
-    hooks (``triton.knobs.runtime``). None (logged once) when it cannot be built or set
-    up, or is turned off: the caller keeps the Python launch."""
+    plain_types: Tuple[type, type],
+) -> Any:
+    """The launch module, set up once per process: the driver ``library``; what it calls
+    per launch for the current device, its current stream and Triton's launch hooks
+    (``triton.knobs.runtime``); the two tensor types ``serve`` takes as plain (torch's
+    ``Tensor`` and ``Parameter``). Its ``launch(record, *tensors)`` and ``serve(record,
+    output_key, out, *offsets)`` return True when they launched. None (logged once) when
+    it cannot be built or set up, or is turned off: the caller keeps the Python launch."""
     global _module, _tried
     if _module is not None:
-        return _module.launch  # type: ignore[no-any-return]
+        return _module
     if _tried or not enabled():
         return None
     _tried = True
     try:
         module = build()
-        module.setup(library, get_device, raw_stream, runtime_knobs)
+        module.setup(library, get_device, raw_stream, runtime_knobs, *plain_types)
     except Exception as exc:  # no compiler, no driver, another Python ABI...
         log_once(
             ("c-launch-unavailable",),
@@ -104,7 +110,7 @@ def load(
         )
         return None
     _module = module
-    return module.launch  # type: ignore[no-any-return]
+    return module
 
 
 def launch_count() -> int:
@@ -117,11 +123,13 @@ def record(
     args: Sequence[Any],
     grid: Tuple[int, int, int],
     device: int,
+    words: int = 0,
 ) -> Optional[bytes]:
     """A launch record for ``compiled`` (Triton's ``CompiledKernel``) called with ``args``
     (every kernel argument in parameter order, constexprs included, the seven tensors as
-    placeholders), or None when the C launch must not serve it (see the module docstring).
-    """
+    placeholders) on ``device``, or None when the C launch must not serve it (see the
+    module docstring). ``words``: the address of the device's two int32 host error words
+    (:func:`te_gqa_fix.offset_errors.pending_words`), which ``serve`` reads; 0: none."""
     try:
         signature = list(compiled.src.signature.values())
         meta = compiled.metadata
@@ -162,7 +170,7 @@ def record(
     if not N_TENSORS <= len(slots) <= MAX_PARAMS:
         return None
     try:
-        head = HEADER.pack(function, *grid, block, shared, device, len(slots), 0)
+        head = HEADER.pack(function, *grid, block, shared, device, len(slots), 0, words)
     except struct.error:
         return None
     return head + b"".join(slots)

@@ -828,19 +828,24 @@ def _make_launch_plan(
 
 _fast_ok = True  # cleared (and logged once) when the direct launch ever fails
 _runtime_knobs: Any = None
-_c_launch: Any = None  # te_gqa_fix.c_launch's launch(record, *tensors), once loaded
+#: te_gqa_fix.c_launch's ``launch(record, *tensors)`` and ``serve(record, output key, out,
+#: *offsets)`` (the wrapper's fast lane), once loaded.
+_c_launch: Any = None
+_c_serve: Any = None
 
 
 def _load_c_launch() -> Any:
     """The C launch (:mod:`te_gqa_fix.c_launch`), set up with torch's current device
     and stream calls and Triton's launch hooks; None where it cannot be had."""
-    global _c_launch
+    global _c_launch, _c_serve
     if _c_launch is None:
         get_device = getattr(torch._C, "_cuda_getDevice", None)
         raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         if get_device is None or raw_stream is None:  # a torch without CUDA
             return None
-        _c_launch = c_launch.load("libcuda.so.1", get_device, raw_stream, _runtime_knobs)
+        module = c_launch.load("libcuda.so.1", get_device, raw_stream, _runtime_knobs, _PLAIN)
+        if module is not None:
+            _c_launch, _c_serve = module.launch, module.serve
     return _c_launch
 
 
@@ -908,7 +913,8 @@ def _capture(plan: _LaunchPlan, align: object, ret: Any, kernel: Any, n_tensors:
         if call is not ret.run and _load_c_launch() is not None:
             # The release's launcher was read (see _launcher_call): launch from C.
             args = (0,) * c_launch.N_TENSORS + (err, *plan.tail)
-            plan.c = c_launch.record(ret, args, (*plan.grid, 1), plan.device_index)
+            words = ctypes.addressof(plan.words)
+            plan.c = c_launch.record(ret, args, (*plan.grid, 1), plan.device_index, words)
 
 
 #: Triton releases whose ``CudaLauncher`` is read below (3.5.0, 3.5.1, 3.6.0: the same
@@ -990,7 +996,9 @@ def _run(plan: _LaunchPlan, tensors: tuple) -> None:
 
     The common case first, in as few steps as possible: every pointer 16-byte aligned,
     the kernel for that captured (``plan.fast``), no launch hooks, the plan's device
-    current. Everything else goes through :func:`_run_general`.
+    current; launched from C where the plan has a record for it (``plan.c``,
+    :mod:`te_gqa_fix.c_launch`, which checks the same), else through Triton's C launcher.
+    Everything else goes through :func:`_run_general`.
     """
     fast = plan.fast
     if fast is not None and _fast_ok:

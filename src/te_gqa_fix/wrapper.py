@@ -417,7 +417,11 @@ class _Lane:
     head-dim guard decided with nothing to say. After TE's call: the outputs' key equals
     the one recorded (:func:`te_gqa_fix.triton_postpass.output_key`), no bad offsets are
     pending and the kernel has not been given up; then it launches through
-    :func:`te_gqa_fix.triton_postpass._run`, the one direct launch. Anything else takes
+    :func:`te_gqa_fix.triton_postpass._run`, the one direct launch. Where the plan's
+    kernel launches from C (:mod:`te_gqa_fix.c_launch`), all of that after TE's call is
+    one C call, ``serve``, which makes the same checks and otherwise declines to the
+    Python above: on the H200 the work right after TE's call costs about twice what it
+    costs back to back (benchmarks/wake_split.py). Anything else takes
     the general path, which also records what the lane may serve next time; outputs of
     new metadata go to the general post-pass and are recorded as well.
     """
@@ -555,6 +559,15 @@ def _new_wrapper(original: Callable) -> Callable:
                                 plan, _, okey, launch = entry
                                 _counts[_FAST_LANE] += 1
                                 out = original(*args, **kwargs)
+                                # Triton 3.5/3.6: all that follows, in C (c_launch.serve).
+                                c = launch.c
+                                if c is not None and _tp._fast_ok and not _tp._broken:
+                                    try:
+                                        if _tp._c_serve(c, okey, out, cu_q, cu_kv, pad_q, pad_kv):
+                                            _counts[_FIXED] += 1
+                                            return out
+                                    except Exception as exc:
+                                        _tp._fast_failed(exc)
                                 if type(out) in _SEQUENCES and len(out) > 2:
                                     dq = out[0] if plan.fix_q else None
                                     dk, dv = out[1], out[2]
