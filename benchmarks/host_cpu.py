@@ -108,8 +108,8 @@ def stub_triton(release: str, c: bool) -> None:
         driver.configure(-1, 0, 1)  # count launches only
         module = c_launch.build()
         knobs = type("Knobs", (), {"launch_enter_hook": None, "launch_exit_hook": None})()
-        module.setup(driver.__file__, lambda: 0, lambda index: 0, knobs)
-        triton_postpass._c_launch = module.launch
+        module.setup(driver.__file__, lambda: 0, lambda index: 0, knobs, *triton_postpass._PLAIN)
+        triton_postpass._c_launch, triton_postpass._c_serve = module.launch, module.serve
         c_launch._module = module  # what launch_count() reads
         triton_postpass._device_address = lambda err: 0xABC0  # type: ignore[assignment]
     triton_postpass._available = True

@@ -9,7 +9,8 @@ both into parts, each timed against the stub in the same interleaved rounds:
 * ``wrapper``: the wrapper around the stub, post-pass forced (the fast lane);
 * ``wrapper_python_launch``: the same, the kernel launched from Python through Triton's C
   launcher instead of from C (``te_gqa_fix.c_launch``; the same where it does not serve);
-* ``wrapper_no_launch``: the same with ``triton_postpass._run`` a no-op (its Python alone);
+* ``wrapper_no_launch``: the same with the launch a no-op (``triton_postpass._run``, and
+  the C ``serve`` that checks TE's outputs and launches): its Python alone;
 * ``launch``: ``triton_postpass._run`` alone on the same plan and gradients (the launch);
 * ``launch_python``: the same, launched from Python;
 * ``torch_op``: one tiny ``torch`` op on the GPU (the price of any launch from Python).
@@ -69,14 +70,17 @@ def split(wl: bp.Workload, te: bp.TE, rounds: int) -> Dict[str, Any]:
     plan = plans[0]
     tensors = (grads[0], grads[1], grads[2], cu_q, cu_kv, pad, pad)
     tiny = torch.zeros(1, device=dev)
-    run = triton_postpass._run
+    run, serve = triton_postpass._run, triton_postpass._c_serve
     record = plan.c
 
     def no_launch() -> None:
+        # Both launches a no-op: _run, and the lane's C serve() (as if it launched).
         triton_postpass._run = lambda plan, tensors: None  # type: ignore[assignment]
+        triton_postpass._c_serve = lambda *args: True
 
     def real_launch(from_c: bool = True) -> None:
         triton_postpass._run = run  # type: ignore[assignment]
+        triton_postpass._c_serve = serve
         plan.c = record if from_c else None
 
     fns: Dict[str, Callable[[], Any]] = {
