@@ -39,6 +39,7 @@ from bench_postpass import positional  # noqa: E402
 from fakes.te_signatures import build_fake  # noqa: E402
 from fakes.triton_launcher import (  # noqa: E402
     CudaLauncher,
+    c_compiler,
     fake_driver,
     kernel_signature,
     metadata,
@@ -167,7 +168,10 @@ def main() -> int:
         help="launch through Triton's Python launcher, not from C (te_gqa_fix.c_launch)",
     )
     args = p.parse_args()
-    stub_triton(args.triton_release, c=not args.no_c_launch)
+    c = not args.no_c_launch and c_compiler()
+    if not args.no_c_launch and not c:
+        print("no C compiler: launching through Triton's Python launcher (as --no-c-launch)")
+    stub_triton(args.triton_release, c=c)
     rows, h_q, h_kv, d = 64, 8, 2, 16
     original = fake_original(rows, h_q, h_kv, d)
     wrapped = wrapper_for(original)

@@ -108,6 +108,15 @@ def kernel_signature(names: List[str], scalars: tuple, meta: Dict[str, Any]) -> 
     return dict(zip(names, kinds))
 
 
+def c_compiler() -> bool:
+    """A C compiler Triton's build helper would use (``CC``, gcc, clang): what Triton needs
+    to build its own launchers, and the C launch module."""
+    import os
+    import shutil
+
+    return bool(os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang"))
+
+
 def fake_driver() -> Any:
     """tests/fakes/fake_libcuda.c, built (Triton's C build helper) and imported: pass its
     ``__file__`` to the C launch module's ``setup`` as the driver library."""
