@@ -23,6 +23,7 @@ import copy
 import itertools
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -189,9 +190,8 @@ def load_kernel_module(path: str) -> Any:
     import tempfile
 
     src = Path(path).read_text()
-    for name in ("offset_errors", "_logging", "masks", "validation"):
-        src = src.replace(f"from .{name} import", f"from te_gqa_fix.{name} import")
-    src = src.replace("from . import offset_errors", "from te_gqa_fix import offset_errors")
+    src = re.sub(r"^from \.(\w*) import", r"from te_gqa_fix.\1 import", src, flags=re.M)
+    src = src.replace("from te_gqa_fix. import", "from te_gqa_fix import")
     target = Path(tempfile.mkdtemp()) / "te_gqa_fix_other_kernel.py"
     target.write_text(src)
     spec = importlib.util.spec_from_file_location(target.stem, target)
