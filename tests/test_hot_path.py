@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import inspect
 import logging
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import pytest
 import torch
@@ -789,12 +789,21 @@ class _Sub(torch.Tensor):
     """A tensor subclass: not a plain tensor (the lane sends it to the general path)."""
 
 
+class _Outputs(NamedTuple):
+    dq: Any
+    dk: Any
+    dv: Any
+
+
 @pytest.mark.parametrize(
     "change, served",
     [
         ("none", True), ("tuple", True), ("parameter", True), ("dq not fixed", True),
         ("dq shape", False), ("dk strides", False), ("dv dtype", False), ("dv device", False),
-        ("dk subclass", False), ("two outputs", False), ("dict", False), ("pending", False),
+        ("dk subclass", False), ("dq subclass", False), ("dq none", False),
+        ("two outputs", False), ("dict", False), ("namedtuple", False),
+        ("list subclass", False), ("pending", False), ("pending kernel", False),
+        ("no words", False),
     ],
 )  # fmt: skip
 def test_serve_checks_what_the_lane_checks(
@@ -802,14 +811,17 @@ def test_serve_checks_what_the_lane_checks(
 ) -> None:
     """serve() launches only for outputs whose key equals the recorded one (shape,
     strides, dtype, device index of dQ when fixed, dK, dV; plain tensors; a list or tuple
-    of three or more) and no bad offsets pending; else it declines, launching nothing."""
+    of three or more) and no bad offsets pending; else it declines, launching nothing.
+    ``served`` is also what the lane's Python checks decide (computed below)."""
     from te_gqa_fix import offset_errors
+    from te_gqa_fix.wrapper import _SEQUENCES
 
     driver = _CDriver(monkeypatch)
     driver.configure(7)
     words = offset_errors.pending_words(torch.device("cpu"))
     compiled, args = _record_args()
-    rec = c_launch.record(compiled, args, (1, 1, 1), 0, words=ctypes.addressof(words))
+    address = 0 if change == "no words" else ctypes.addressof(words)
+    rec = c_launch.record(compiled, args, (1, 1, 1), 0, words=address)
     dq, dk, dv = torch.zeros(16, 4, 8), torch.zeros(16, 2, 8), torch.zeros(16, 2, 8)
     cu = torch.zeros(4, dtype=torch.int32)
     key = triton_postpass.output_key(None if change == "dq not fixed" else dq, dk, dv)
@@ -828,16 +840,31 @@ def test_serve_checks_what_the_lane_checks(
         key = (*key[:11], 0)  # recorded on device 0; these are CPU tensors (-1)
     elif change == "dk subclass":
         out[1] = dk.as_subclass(_Sub)
+    elif change == "dq subclass":
+        out[0] = dq.as_subclass(_Sub)
+    elif change == "dq none":
+        out[0] = None
     elif change == "two outputs":
         out = out[:2]
     elif change == "dict":
         out = dict(enumerate(out))
+    elif change == "namedtuple":
+        out = _Outputs(*out[:3])
+    elif change == "list subclass":
+        out = type("Outputs", (list,), {})(out)
     try:
-        if change == "pending":
-            words[1] = 4
+        if change.startswith("pending"):
+            words[0 if change == "pending kernel" else 1] = 4
+        # What the lane's Python decides (wrapper.py, after TE's call).
+        python_serves = (
+            type(out) in _SEQUENCES and len(out) > 2
+            and triton_postpass.output_key(out[0] if len(key) == 12 else None, out[1], out[2])
+            == key and not (words[0] | words[1]) and change != "no words"
+        )  # fmt: skip
         got = driver.module.serve(rec, key, out, cu, cu, cu, cu)
     finally:
         offset_errors._reset()
+    assert python_serves is served, change
     launches = driver.fake.launches()
     assert got is served and len(launches) == int(served), (change, got, launches)
     if served:
@@ -858,15 +885,19 @@ def test_c_launch_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_c_launch_unavailable_is_logged_once(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """No driver library (or no compiler): None, said once, and never tried again."""
+    """No driver library: None, said once (with why), and never tried again."""
     pytest.importorskip("triton.runtime.build")
+    if not c_compiler():
+        pytest.skip("needs a C compiler (Triton builds its own launchers with one)")
     monkeypatch.setattr(c_launch, "_module", None)
     monkeypatch.setattr(c_launch, "_tried", False)
+    plain = triton_postpass._PLAIN
     with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
         for _ in range(2):
-            loaded = c_launch.load("/nonexistent/libcuda.so", lambda: 0, lambda i: 0, None, ())
+            loaded = c_launch.load("/nonexistent/libcuda.so", lambda: 0, lambda i: 0, None, plain)
             assert loaded is None
-    assert sum("from C is unavailable" in r.getMessage() for r in caplog.records) == 1
+    said = [r.getMessage() for r in caplog.records if "from C is unavailable" in r.getMessage()]
+    assert len(said) == 1 and "cannot open /nonexistent/libcuda.so" in said[0], said
 
 
 # --------------------------------------------------------------------- wrapper's launch cache

@@ -129,7 +129,8 @@ def record(
     (every kernel argument in parameter order, constexprs included, the seven tensors as
     placeholders) on ``device``, or None when the C launch must not serve it (see the
     module docstring). ``words``: the address of the device's two int32 host error words
-    (:func:`te_gqa_fix.offset_errors.pending_words`), which ``serve`` reads; 0: none."""
+    (:func:`te_gqa_fix.offset_errors.pending_words`), which ``serve`` reads; 0: none
+    (then ``serve`` always declines, and only ``launch`` serves the record)."""
     try:
         signature = list(compiled.src.signature.values())
         meta = compiled.metadata
