@@ -382,19 +382,9 @@ def time_direct(
     def wrapper_call() -> Any:
         return wrapped(*pos, **rest)
 
-    def then(setup: Callable[[], None]) -> Callable[[], None]:
-        if before is None:
-            return setup
-
-        def both() -> None:
-            setup()
-            before()
-
-        return both
-
     checks: Dict[str, Dict[str, Any]] = {}
     fns: Dict[str, Callable[[], Any]] = {"stub_host" + suffix: stub_call}
-    setups: Dict[str, Callable[[], None]] = {"stub_host" + suffix: then(lambda: None)}
+    setups: Dict[str, Callable[[], None]] = {"stub_host" + suffix: then(lambda: None, before)}
     try:
         for name, setup in modes.items():
             setup()
@@ -403,7 +393,7 @@ def time_direct(
             after = call_counts()
             checks[name + suffix] = {k: after[k] - counted[k] for k in after}
             checks[name + suffix]["returned_stub_output"] = got is out
-            fns[name + suffix], setups[name + suffix] = wrapper_call, then(setup)
+            fns[name + suffix], setups[name + suffix] = wrapper_call, then(setup, before)
         return time_host_group(fns, setups, rounds, warmup=warmup, **timer), checks
     finally:
         stub.release()  # type: ignore[attr-defined]
@@ -415,6 +405,20 @@ def time_device(fn: Callable[[], Any], reps: int, warmup: int) -> Dict[str, Any]
 
 def time_wall(fn: Callable[[], Any], reps: int, warmup: int) -> Dict[str, Any]:
     return time_wall_group({"f": fn}, reps, warmup)["f"]
+
+
+def then(setup: Callable[[], None], before: Optional[Callable[[], Any]]) -> Callable[[], None]:
+    """A timing's untimed setup followed by ``before`` (say an untimed call of TE's own
+    function, to time the next call in the state it leaves the host in); ``setup`` alone
+    when ``before`` is None."""
+    if before is None:
+        return setup
+
+    def both() -> None:
+        setup()
+        before()
+
+    return both
 
 
 def check_no_sync(fn: Callable[[], Any]) -> str:

@@ -40,9 +40,10 @@ from fakes.te_signatures import build_fake  # noqa: E402
 from fakes.triton_launcher import (  # noqa: E402
     CudaLauncher,
     c_compiler,
-    fake_driver,
     kernel_signature,
     metadata,
+    on_fake_driver,
+    source,
 )
 from te_gqa_fix import c_launch, guard, triton_postpass  # noqa: E402
 from te_gqa_fix.wrapper import wrapper_for  # noqa: E402
@@ -105,11 +106,9 @@ def stub_triton(release: str, c: bool) -> None:
     triton_postpass._kernel = kernel
     c_launch._tried = True  # never the real driver
     if c:
-        driver = fake_driver()
-        driver.configure(-1, 0, 1)  # count launches only
-        module = c_launch.build()
         knobs = type("Knobs", (), {"launch_enter_hook": None, "launch_exit_hook": None})()
-        module.setup(driver.__file__, lambda: 0, lambda index: 0, knobs, *triton_postpass._PLAIN)
+        driver, module = on_fake_driver(lambda: 0, lambda index: 0, knobs)
+        driver.configure(-1, 0, 1)  # count launches only
         triton_postpass._c_launch, triton_postpass._c_serve = module.launch, module.serve
         c_launch._module = module  # what launch_count() reads
         triton_postpass._device_address = lambda err: 0xABC0  # type: ignore[assignment]
@@ -132,8 +131,7 @@ def stub_triton(release: str, c: bool) -> None:
         def plan_on_device_0(*args: Any) -> Any:
             plan = make_plan(*args)
             plan.device_index = 0
-            signature = kernel_signature(names, plan.scalars, plan.meta)
-            kernel.compiled.src = type("Src", (), {"signature": signature})()
+            kernel.compiled.src = source(kernel_signature(names, plan.scalars, plan.meta))
             return plan
 
         triton_postpass._make_launch_plan = plan_on_device_0  # type: ignore[assignment]

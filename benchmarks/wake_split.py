@@ -102,11 +102,7 @@ def split(wl: bp.Workload, te: bp.TE, rounds: int) -> Dict[str, Any]:
     since = bp.host_snapshot()
     try:
         for mode, before in (("back_to_back", None), ("after_te", lambda: te.original(*pos))):
-
-            def then(setup: Callable[[], None], before: Any = before) -> Callable[[], None]:
-                return setup if before is None else (lambda: (setup(), before()))
-
-            setups = {n: then(prepare.get(n, real_launch)) for n in fns}
+            setups = {n: bp.then(prepare.get(n, real_launch), before) for n in fns}
             timed = bp.time_host_group(fns, setups, rounds, warmup=5)
             result[mode] = {
                 n: {"median_us": t["median_us"], "overhead_us": t.get("overhead_us")}

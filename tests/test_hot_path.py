@@ -23,9 +23,10 @@ from fakes.triton_launcher import (
     CLaunch,
     CudaLauncher,
     c_compiler,
-    fake_driver,
     kernel_signature,
     metadata,
+    on_fake_driver,
+    source,
 )
 from te_gqa_fix import c_launch, guard, postpass, triton_postpass
 from te_gqa_fix import wrapper as wrapper_module
@@ -582,20 +583,18 @@ class _CompiledForC(_Compiled):
 
 
 class _CDriver:
-    """The C launch module set up on the fake libcuda (tests/fakes/fake_libcuda.c)."""
+    """The C launch module set up on the fake libcuda (tests/fakes/fake_libcuda.c), as
+    under Triton 3.6 with a driver that gives the error word's device address 0xABC0."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, device: int = 0) -> None:
         pytest.importorskip("triton.runtime.build")
         if not c_compiler():
             pytest.skip("needs a C compiler (Triton builds its own launchers with one)")
-        self.fake = fake_driver()
-        self.module = c_launch.build()
         self.hooks = _Hooks()
-        self.module.setup(
-            self.fake.__file__, lambda: device, lambda index: 1234, self.hooks,
-            *triton_postpass._PLAIN,
-        )  # fmt: skip
+        self.fake, self.module = on_fake_driver(lambda: device, lambda index: 1234, self.hooks)
         self.fake.launches()  # drop earlier tests' records
+        monkeypatch.setattr(triton_postpass, "_triton_version", lambda: "3.6.0")
+        monkeypatch.setattr(triton_postpass, "_libcuda", _Driver(0))
         self.n_record = 0
         monkeypatch.setattr(triton_postpass, "_c_launch", self.module.launch)
         monkeypatch.setattr(triton_postpass, "_c_serve", self.module.serve)
@@ -610,16 +609,14 @@ def _c_setup(
     monkeypatch: pytest.MonkeyPatch, device: int = 0, offset: int = 0, **meta: Any
 ) -> Tuple[_CDriver, CudaLauncher, _Kernel, Any, tuple]:
     """A plan whose kernel Triton 3.6 compiled, the C launch on the fake driver."""
-    monkeypatch.setattr(triton_postpass, "_triton_version", lambda: "3.6.0")
     launcher = CudaLauncher()
     compiled = _CompiledForC(launcher, **meta)
     kernel = _Kernel(compiled)
     _fake_cuda(monkeypatch, kernel)
     driver = _CDriver(monkeypatch, device)
-    monkeypatch.setattr(triton_postpass, "_libcuda", _Driver(0))  # err word: 0xABC0
     plan, tensors = _plan_and_tensors(offset)
     signature = kernel_signature(_KERNEL_ARGS, plan.scalars, plan.meta)
-    compiled.src = type("Src", (), {"signature": signature})()
+    compiled.src = source(signature)
     # Every parameter the launch passes: the non-constexpr ones and two scratch pointers.
     driver.configure(sum(k != "constexpr" for k in signature.values()) + 2)
     return driver, launcher, kernel, plan, tensors
@@ -713,7 +710,7 @@ def _record_args(n: int = 3) -> Tuple[Any, tuple]:
     pointers, an error-word address, ``n`` scalars, a constexpr."""
     compiled = _CompiledForC(CudaLauncher(), num_warps=8, shared=1024)
     kinds = ["*bf16"] * 8 + ["i32", "i64", "i1"][:n] + ["constexpr"]
-    compiled.src = type("Src", (), {"signature": {f"a{i}": k for i, k in enumerate(kinds)}})()
+    compiled.src = source({f"a{i}": k for i, k in enumerate(kinds)})
     args = (0,) * 7 + (0xE0, -5, 1 << 40, True)[: 1 + n] + (128,)
     return compiled, args
 
@@ -1034,8 +1031,6 @@ class _Lane:
         self.driver: Optional[_CDriver] = None
         self.c_log: List[tuple] = []
         if c:  # Triton 3.6: the C launch, on the fake driver
-            monkeypatch.setattr(triton_postpass, "_triton_version", lambda: "3.6.0")
-            monkeypatch.setattr(triton_postpass, "_libcuda", _Driver(0))
             self.driver = _CDriver(monkeypatch)
             self.hooks = self.driver.hooks
             launch = triton_postpass._c_launch
@@ -1059,8 +1054,7 @@ class _Lane:
             plan = make_plan(*args)
             plan.device_index = 0
             if self.driver is not None:
-                signature = kernel_signature(_KERNEL_ARGS, plan.scalars, plan.meta)
-                self.compiled.src = type("Src", (), {"signature": signature})()
+                self.compiled.src = source(kernel_signature(_KERNEL_ARGS, plan.scalars, plan.meta))
                 self.driver.configure(7)  # the seven tensors' addresses
             return plan
 

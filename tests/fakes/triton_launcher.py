@@ -11,7 +11,7 @@ tests check it hands ``launch`` the very arguments ``__call__`` would, and
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 
 class CLaunch:
@@ -108,6 +108,12 @@ def kernel_signature(names: List[str], scalars: tuple, meta: Dict[str, Any]) -> 
     return dict(zip(names, kinds))
 
 
+def source(signature: Dict[str, str]) -> Any:
+    """A CompiledKernel's ``src`` (Triton's ``ASTSource``) as far as ``record()`` reads
+    it: the ``signature``, parameter name to type."""
+    return type("Src", (), {"signature": signature})()
+
+
 def c_compiler() -> bool:
     """A C compiler Triton's build helper would use (``CC``, gcc, clang): what Triton needs
     to build its own launchers, and the C launch module."""
@@ -124,3 +130,17 @@ def fake_driver() -> Any:
 
     src = (Path(__file__).resolve().parent / "fake_libcuda.c").read_text()
     return compile_module_from_src(src=src, name="te_gqa_fix_fake_libcuda")
+
+
+def on_fake_driver(
+    get_device: Callable[[], int], raw_stream: Callable[[int], int], runtime_knobs: Any
+) -> Tuple[Any, Any]:
+    """``(fake driver, C launch module)``: ``te_gqa_fix.c_launch``'s module built and set up
+    on :func:`fake_driver`, with these calls for the current device and stream and these
+    launch hooks, and torch's plain tensor types (as ``triton_postpass`` sets it up)."""
+    from te_gqa_fix import c_launch, triton_postpass
+
+    driver = fake_driver()
+    module = c_launch.build()
+    module.setup(driver.__file__, get_device, raw_stream, runtime_knobs, *triton_postpass._PLAIN)
+    return driver, module
