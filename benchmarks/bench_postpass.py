@@ -798,7 +798,7 @@ def run_workload(wl: Workload, te: TE, args: argparse.Namespace) -> Dict[str, An
     bwd_s = (_t(res, "bwd") or 1000.0) / 1e6
     rounds = int(min(args.host_rounds, max(8, args.host_budget / (3 * bwd_s))))
     host_start = host_snapshot()
-    launched_from_c = c_launch.launch_count()
+    launched_from_c, c_lane_calls = c_launch.launch_count(), c_launch.lane_count()
     pos, rest = positional(te.original, bwd_kw)
 
     def bwd_pos() -> Any:
@@ -850,6 +850,8 @@ def run_workload(wl: Workload, te: TE, args: argparse.Namespace) -> Dict[str, An
     # How the post-pass kernel was launched in the steady state: from C (te_gqa_fix.c_launch)
     # or from Python through Triton's C launcher.
     res["checks"]["launched_from_c"] = c_launch.launch_count() - launched_from_c
+    # ... and how many wrapper calls the C lane (te_gqa_fix.wrapper._Lane) served whole.
+    res["checks"]["c_lane_calls"] = c_launch.lane_count() - c_lane_calls
 
     # Workarounds that block the host, against the wrapper in the same (wall) mode.
     if not args.skip_workarounds:

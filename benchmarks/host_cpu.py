@@ -109,7 +109,7 @@ def stub_triton(release: str, c: bool) -> None:
         knobs = type("Knobs", (), {"launch_enter_hook": None, "launch_exit_hook": None})()
         driver, module = on_fake_driver(lambda: 0, lambda index: 0, knobs)
         driver.configure(-1, 0, 1)  # count launches only
-        triton_postpass._c_launch, triton_postpass._c_serve = module.launch, module.serve
+        triton_postpass._c_launch, triton_postpass._c_lane = module.launch, module.lane
         c_launch._module = module  # what launch_count() reads
         triton_postpass._device_address = lambda err: 0xABC0  # type: ignore[assignment]
     triton_postpass._available = True

@@ -6,11 +6,15 @@ back to back (about 14 us) and with an untimed call of TE's own function before 
 timed call (about twice that, as the paired overhead against TE reads). This splits
 both into parts, each timed against the stub in the same interleaved rounds:
 
-* ``wrapper``: the wrapper around the stub, post-pass forced (the fast lane);
-* ``wrapper_python_launch``: the same, the kernel launched from Python through Triton's C
-  launcher instead of from C (``te_gqa_fix.c_launch``; the same where it does not serve);
-* ``wrapper_no_launch``: the same with the launch a no-op (``triton_postpass._run``, and
-  the C ``serve`` that checks TE's outputs and launches): its Python alone;
+* ``wrapper``: the wrapper around the stub, post-pass forced (the fast lane; in C where
+  ``te_gqa_fix.c_launch`` serves: its ``lane``, TE's call and ``serve`` included);
+* ``wrapper_python_lane``: the same with the lane in Python (``triton_postpass._c_lane``
+  unset), the kernel still launched from C through ``_run``;
+* ``wrapper_python_launch``: the Python lane, the kernel launched from Python through
+  Triton's C launcher (the wrapper before ``te_gqa_fix.c_launch``);
+* ``wrapper_no_launch``: the C lane with a launch record of an empty grid: everything
+  but the driver's ``cuLaunchKernel`` (without a C launch record: the Python lane with
+  ``_run`` a no-op, its Python alone);
 * ``launch``: ``triton_postpass._run`` alone on the same plan and gradients (the launch);
 * ``launch_python``: the same, launched from Python;
 * ``torch_op``: one tiny ``torch`` op on the GPU (the price of any launch from Python).
@@ -70,50 +74,68 @@ def split(wl: bp.Workload, te: bp.TE, rounds: int) -> Dict[str, Any]:
     plan = plans[0]
     tensors = (grads[0], grads[1], grads[2], cu_q, cu_kv, pad, pad)
     tiny = torch.zeros(1, device=dev)
-    run, serve = triton_postpass._run, triton_postpass._c_serve
+    run, lane = triton_postpass._run, triton_postpass._c_lane
     record = plan.c
+    # The same record with an empty grid: the C launch does all but cuLaunchKernel.
+    empty = None
+    if record is not None:
+        head = list(c_launch.HEADER.unpack_from(record))
+        head[1] = 0
+        empty = c_launch.HEADER.pack(*head) + record[c_launch.HEADER.size :]
+
+    def real_launch(c_lane: bool = True, rec: Any = record) -> Callable[[], None]:
+        def setup() -> None:
+            triton_postpass._run = run  # type: ignore[assignment]
+            triton_postpass._c_lane = lane if c_lane else None
+            plan.c = rec
+
+        return setup
 
     def no_launch() -> None:
-        # Both launches a no-op: _run, and the lane's C serve() (as if it launched).
-        triton_postpass._run = lambda plan, tensors: None  # type: ignore[assignment]
-        triton_postpass._c_serve = lambda *args: True
+        if empty is not None:
+            real_launch(rec=empty)()
+        else:  # the Python lane, _run a no-op
+            triton_postpass._run = lambda plan, tensors: None  # type: ignore[assignment]
 
-    def real_launch(from_c: bool = True) -> None:
-        triton_postpass._run = run  # type: ignore[assignment]
-        triton_postpass._c_serve = serve
-        plan.c = record if from_c else None
+    def wrapper() -> Any:
+        return wrapped(*pos, **rest)
 
     fns: Dict[str, Callable[[], Any]] = {
         "stub": lambda: stub(*pos, **rest),
-        "wrapper": lambda: wrapped(*pos, **rest),
-        "wrapper_python_launch": lambda: wrapped(*pos, **rest),
-        "wrapper_no_launch": lambda: wrapped(*pos, **rest),
+        "wrapper": wrapper,
+        "wrapper_python_lane": wrapper,
+        "wrapper_python_launch": wrapper,
+        "wrapper_no_launch": wrapper,
         "launch": lambda: run(plan, tensors),
         "launch_python": lambda: run(plan, tensors),
         "torch_op": lambda: tiny.add_(1),
     }
     prepare = {
+        "wrapper_python_lane": real_launch(c_lane=False),
+        "wrapper_python_launch": real_launch(c_lane=False, rec=None),
         "wrapper_no_launch": no_launch,
-        "wrapper_python_launch": lambda: real_launch(False),
-        "launch_python": lambda: real_launch(False),
+        "launch_python": real_launch(rec=None),
     }
-    result: Dict[str, Any] = {"workload": wl.name, "c_launch_record": record is not None}
-    launched_from_c = c_launch.launch_count()
+    result: Dict[str, Any] = {
+        "workload": wl.name, "c_launch_record": record is not None, "c_lane": lane is not None
+    }  # fmt: skip
+    launched_from_c, c_lane_calls = c_launch.launch_count(), c_launch.lane_count()
     since = bp.host_snapshot()
     try:
         for mode, before in (("back_to_back", None), ("after_te", lambda: te.original(*pos))):
-            setups = {n: bp.then(prepare.get(n, real_launch), before) for n in fns}
+            setups = {n: bp.then(prepare.get(n, real_launch()), before) for n in fns}
             timed = bp.time_host_group(fns, setups, rounds, warmup=5)
             result[mode] = {
                 n: {"median_us": t["median_us"], "overhead_us": t.get("overhead_us")}
                 for n, t in timed.items()
             }
     finally:
-        real_launch()
+        real_launch()()
         stub.release()  # type: ignore[attr-defined]
         guard._fixed.pop(index, None)
     result["host_context"] = bp.host_context(since=since)
     result["launched_from_c"] = c_launch.launch_count() - launched_from_c
+    result["c_lane_calls"] = c_launch.lane_count() - c_lane_calls
     return result
 
 
@@ -134,8 +156,8 @@ def main(argv: List[str] = sys.argv[1:]) -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "wake_split.json").write_text(json.dumps(report, indent=1, default=str))
     names = [
-        "wrapper", "wrapper_python_launch", "wrapper_no_launch", "launch", "launch_python",
-        "torch_op",
+        "wrapper", "wrapper_python_lane", "wrapper_python_launch", "wrapper_no_launch", "launch",
+        "launch_python", "torch_op",
     ]  # fmt: skip
     print("| workload | mode | stub | " + " | ".join(f"{n} (over stub)" for n in names) + " |")
     for r in report["results"]:

@@ -597,7 +597,7 @@ class _CDriver:
         monkeypatch.setattr(triton_postpass, "_libcuda", _Driver(0))
         self.n_record = 0
         monkeypatch.setattr(triton_postpass, "_c_launch", self.module.launch)
-        monkeypatch.setattr(triton_postpass, "_c_serve", self.module.serve)
+        monkeypatch.setattr(triton_postpass, "_c_lane", self.module.lane)
         monkeypatch.setattr(triton_postpass, "_runtime_knobs", self.hooks)
 
     def configure(self, n_record: int, status: int = 0, context: bool = True) -> None:
@@ -1041,6 +1041,7 @@ class _Lane:
 
             monkeypatch.setattr(triton_postpass, "_c_launch", counted)
         self.through_run = 0
+        self.lanes0 = self.driver.module.lanes() if self.driver is not None else 0
         self.fixed = False
         self.general = 0
         monkeypatch.setattr(wrapper_module, "_device_index", lambda q: 0)
@@ -1083,6 +1084,10 @@ class _Lane:
             self.call()
         assert self.general == 2
 
+    def c_served(self) -> int:
+        """Calls the C lane (c_launch.c's ``lane``) served in this test: 0 without ``c``."""
+        return 0 if self.driver is None else self.driver.module.lanes() - self.lanes0
+
     def direct(self) -> List[tuple]:
         """The seven pointers of every direct launch so far: from C (the fake driver's
         record) with ``c``, else through the recording compiled kernel. With ``c`` no
@@ -1121,8 +1126,8 @@ def test_lane_serves_repeat_calls_with_new_tensors(
         out, arguments = lane.call()
         assert lane.general == 2, f"call {i + 3} took the general path"
         assert lane.direct()[-1] == _pointers(out, arguments)
-    # From C: the lane's serve() after TE's call, not its Python path into _run.
-    assert lane.through_run == through_run
+    # From C: the whole lane, serve() after TE's call, not its Python path into _run.
+    assert lane.through_run == through_run and lane.c_served() == (3 if lane_c else 0)
     assert len(lane.kernel.slow) == 1 and len(lane.direct()) == 4
     assert call_counts() == {"calls": 5, "fixed": 5, "skipped": 0, "passthrough": 0, "fast_lane": 3}
 
@@ -1175,9 +1180,54 @@ def test_lane_passes_through_on_fixed_cudnn(monkeypatch: pytest.MonkeyPatch, lan
     lane.fake.backend.reset()
     lane.call()
     assert lane.general == 2 and len(lane.direct()) == 1
-    assert call_counts()["skipped"] == 1
+    assert call_counts()["skipped"] == 1 and lane.c_served() == int(lane_c)
     for name, (after, before) in lane.fake.backend.outputs.items():
         assert torch.equal(bits(after), bits(before)), name
+
+
+def test_c_lane_reads_the_cached_cudnn_decision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``wrapper.cudnn_fixed`` as defined there, the C lane reads the cached
+    decision (``guard._fixed``) itself: fixed, it passes through; affected, it serves the
+    post-pass; both without calling into Python's lane."""
+    lane = _Lane(monkeypatch, c=True)
+    monkeypatch.setattr(wrapper_module, "cudnn_fixed", wrapper_module._C_READS[1])
+    monkeypatch.setitem(guard._fixed, 0, False)
+    lane.warm()
+    prepare, lane.general = lane.general, 0
+    lane.call()
+    assert lane.c_served() == 1 and len(lane.direct()) == 2
+    monkeypatch.setitem(guard._fixed, 0, True)
+    lane.fake.backend.reset()
+    lane.call()
+    assert lane.c_served() == 2 and len(lane.direct()) == 2 and lane.general == 0
+    assert call_counts() == {
+        "calls": prepare + 2, "fixed": prepare + 1, "skipped": 1, "passthrough": 0,
+        "fast_lane": 2,
+    }  # fmt: skip
+    for name, (after, before) in lane.fake.backend.outputs.items():
+        assert torch.equal(bits(after), bits(before)), name
+
+
+def test_c_lane_hands_a_failed_launch_to_python(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A launch that fails inside the C lane (after TE's call) is logged once and turns
+    the direct launch off, as in Python; the call still gets its post-pass, through
+    Triton's own launch, and TE is called once."""
+    lane = _Lane(monkeypatch, c=True)
+    lane.warm()
+    assert lane.driver is not None
+    lane.driver.configure(7, status=700)  # CUDA_ERROR_ILLEGAL_ADDRESS
+    slow = len(lane.kernel.slow)
+    with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
+        lane.call()
+        lane.call()
+    assert len(lane.kernel.slow) == slow + 2 and lane.general == 2
+    assert len(lane.fake.backend.calls) == 4 and lane.c_served() == 0
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("direct Triton launch failed" in m and "700" in m for m in messages) == 1
+    assert triton_postpass._fast_ok is False
+    assert call_counts()["fixed"] == 4
 
 
 def _noncontiguous(t: torch.Tensor) -> torch.Tensor:
@@ -1333,7 +1383,7 @@ def test_gpu_wrapper_fast_path_no_sync_and_cuda_graph(monkeypatch: pytest.Monkey
     # Triton 3.5/3.6: the steady state launches from C (te_gqa_fix.c_launch), also
     # under capture; the replay below then checks what the C launch captured.
     from_c = triton_postpass._triton_version().startswith(triton_postpass._C_LAUNCH_RELEASES)
-    launched = c_launch.launch_count()
+    launched, lanes = c_launch.launch_count(), c_launch.lane_count()
     assert not from_c or any(p.c for p in plans), "no C launch record"
     with no_host_sync():
         call()
@@ -1341,6 +1391,8 @@ def test_gpu_wrapper_fast_path_no_sync_and_cuda_graph(monkeypatch: pytest.Monkey
     graph, _ = capture(call)
     assert len(general) == 2, "the captured call did not take the fast lane"
     assert c_launch.launch_count() - launched == (3 if from_c else 0)  # capture calls twice
+    # ... and all three through the C lane, which read q's CUDA device itself.
+    assert c_launch.lane_count() - lanes == (3 if from_c else 0)
     dq.fill_(float("nan"))
     kv.fill_(float("nan"))
     graph.replay()

@@ -15,6 +15,16 @@
  * bad offsets pending in the record's host words, then launch(). False: the lane's
  * Python path decides, as before.
  *
+ * lane(state, args, kwargs) is the whole fast lane of te_gqa_fix.wrapper (see _Lane there)
+ * for one call: the same checks before TE's call, in the same order, on the same
+ * objects; TE's call; then serve(). It returns TE's result when it served the call (the
+ * kernel launched, or the fixed-cuDNN pass-through), the state's MISS marker when it did
+ * nothing at all (the wrapper's Python then runs as if the C lane did not exist), or,
+ * having called TE, an AFTER(out, key, entry, exception, cu_q, cu_kv, pad_q, pad_kv)
+ * when serve() declined or failed: the wrapper finishes that call in Python. On the H200
+ * the wrapper's Python before TE's call cost more after TE's C++ than back to back
+ * (benchmarks/wake_split.py); here it is C calls on the same getters.
+ *
  * Built at run time by Triton's own C build helper, as Triton builds its launchers.
  * No CUDA headers: the driver entry points are looked up in the library setup() names.
  */
@@ -58,7 +68,11 @@ static PyObject *get_device = NULL, *raw_stream = NULL, *knobs = NULL;
 static PyObject *tensor_type = NULL, *parameter_type = NULL;
 static PyObject *data_ptr_name = NULL, *enter_name = NULL, *exit_name = NULL, *calls_name = NULL;
 static PyObject *shape_name = NULL, *stride_name = NULL, *dtype_name = NULL, *get_device_name = NULL;
-static unsigned long long launched = 0;
+static PyObject *is_cuda_name = NULL, *is_contiguous_name = NULL, *c_name = NULL;
+static PyObject *fast_ok_name = NULL, *broken_name = NULL, *device_index_name = NULL;
+static PyObject *cudnn_fixed_name = NULL;
+static PyObject *one = NULL;
+static unsigned long long launched = 0, served = 0;
 
 /* Py_NewRef is Python 3.10+. */
 static PyObject *new_ref(PyObject *o) {
@@ -205,23 +219,21 @@ static int same_facts(PyObject *t, PyObject *const *want) {
   return eq;
 }
 
-static PyObject *serve(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  (void)self;
-  if (nargs != 7 || !PyTuple_CheckExact(args[1])) {
-    PyErr_SetString(PyExc_TypeError,
-                    "serve(record, expected: tuple, out, cu_q, cu_kv, pad_q, pad_kv)");
-    return NULL;
+/* serve() on borrowed arguments: 1 launched, 0 declined, -1 error. */
+static int serve_checked(PyObject *record, PyObject *expected, PyObject *out,
+                         PyObject *const *offsets) {
+  const record_t *rec = get_record(record);
+  if (!rec) return -1;
+  if (!PyTuple_CheckExact(expected)) {
+    PyErr_SetString(PyExc_TypeError, "te_gqa_fix c_launch: expected must be a tuple");
+    return -1;
   }
-  const record_t *rec = get_record(args[0]);
-  if (!rec) return NULL;
   /* output_key(dq, dk, dv): 12 facts, or None and 8 when dQ is not fixed. */
-  PyObject *expected = args[1];
   Py_ssize_t n_expected = PyTuple_GET_SIZE(expected);
   if (n_expected != 12 && (n_expected != 9 || PyTuple_GET_ITEM(expected, 0) != Py_None)) {
     PyErr_SetString(PyExc_ValueError, "te_gqa_fix c_launch: expected must be an output key");
-    return NULL;
+    return -1;
   }
-  PyObject *out = args[2];
   PyObject *dq, *dk, *dv;
   if (PyList_CheckExact(out) && PyList_GET_SIZE(out) > 2) {
     dq = PyList_GET_ITEM(out, 0);
@@ -232,11 +244,11 @@ static PyObject *serve(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     dk = PyTuple_GET_ITEM(out, 1);
     dv = PyTuple_GET_ITEM(out, 2);
   } else {
-    Py_RETURN_FALSE;
+    return 0;
   }
   /* Borrowed from ``out``: hold them while Python code (tensor attributes) runs. */
   PyObject *tensors[N_TENSORS] = {n_expected == 12 ? dq : dk, dk, dv,
-                                  args[3], args[4], args[5], args[6]};
+                                  offsets[0], offsets[1], offsets[2], offsets[3]};
   for (int i = 0; i < 3; i++) Py_INCREF(tensors[i]);
   PyObject *const *want = &PyTuple_GET_ITEM(expected, n_expected == 12 ? 0 : 1);
   int outcome = 1;
@@ -251,7 +263,267 @@ static PyObject *serve(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
   }
   if (outcome == 1) outcome = do_launch(rec, tensors);
   for (int i = 0; i < 3; i++) Py_DECREF(tensors[i]);
-  return result(outcome);
+  return outcome;
+}
+
+static PyObject *serve(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  (void)self;
+  if (nargs != 7) {
+    PyErr_SetString(PyExc_TypeError,
+                    "serve(record, expected: tuple, out, cu_q, cu_kv, pad_q, pad_kv)");
+    return NULL;
+  }
+  return result(serve_checked(args[0], args[1], args[2], args + 3));
+}
+
+/* ----------------------------------------------------------------- the whole lane */
+
+/* What lane() reads, in te_gqa_fix.wrapper._Lane.c_state's order. */
+enum {
+  S_SNAP,          /* [lane on, raw TE_GQA_FIX, raw TE_GQA_FIX_VALIDATE, policy is auto] */
+  S_DATA,          /* os.environ's dict, and the two keys read from it */
+  S_KEY_POLICY,
+  S_KEY_VALIDATE,
+  S_AT,            /* the twelve lane arguments' positions (te_gqa_fix.wrapper._LANE_ARGS) */
+  S_NEED,          /* positional calls with fewer arguments: pick_by_name */
+  S_PICK_BY_NAME,
+  S_ENTRIES,       /* key -> (decision, guard key, output key, launch plan) */
+  S_COUNTS,        /* te_gqa_fix.wrapper._counts */
+  S_GLOBALS,       /* te_gqa_fix.wrapper's globals: _device_index, cudnn_fixed */
+  S_DEVICE_INDEX,  /* ... as defined there: then read here, not called */
+  S_CUDNN_FIXED,
+  S_FIXED,         /* te_gqa_fix.guard._fixed: device -> cuDNN fixed */
+  S_DECISIONS,     /* te_gqa_fix.guard._decisions */
+  S_TP_GLOBALS,    /* te_gqa_fix.triton_postpass's globals: _fast_ok, _broken */
+  S_ORIGINAL,      /* TE's function */
+  S_MISS,
+  S_AFTER,
+  S_SIZE
+};
+enum { C_CALLS, C_FIXED, C_SKIPPED, C_PASSTHROUGH, C_FAST_LANE, C_SIZE };
+#define N_PICKED 12
+#define KEY_SIZE 28
+
+/* counts[i] += 1; -1 on error. */
+static int bump(PyObject *counts, int i) {
+  PyObject *old = PyList_GET_ITEM(counts, i);
+  PyObject *new_value = PyNumber_Add(old, one);
+  if (!new_value) return -1;
+  PyList_SET_ITEM(counts, i, new_value);
+  Py_DECREF(old);
+  return 0;
+}
+
+/* A getter's or a no-argument method's value (new reference). */
+static PyObject *attr(PyObject *o, PyObject *name) { return PyObject_GetAttr(o, name); }
+static PyObject *call0(PyObject *o, PyObject *name) { return PyObject_CallMethodNoArgs(o, name); }
+
+/* The key te_gqa_fix.wrapper's fast lane builds, item for item (new reference). */
+static PyObject *lane_key(PyObject *const *p, PyObject *dev) {
+  PyObject *q = p[0], *k = p[1], *v = p[2], *cu_q = p[3], *cu_kv = p[4], *pad_q = p[5],
+           *pad_kv = p[6];
+  PyObject *items[KEY_SIZE] = {
+      new_ref(p[9]), new_ref(p[11]), new_ref(p[7]), new_ref(p[8]), new_ref(p[10]),
+      new_ref(dev),
+      attr(q, shape_name), attr(k, shape_name), call0(k, get_device_name),
+      attr(v, shape_name), call0(v, get_device_name),
+      attr(cu_q, dtype_name), attr(cu_q, shape_name), call0(cu_q, get_device_name),
+      call0(cu_q, is_contiguous_name),
+      attr(cu_kv, dtype_name), attr(cu_kv, shape_name), call0(cu_kv, get_device_name),
+      call0(cu_kv, is_contiguous_name),
+      attr(pad_q, dtype_name), attr(pad_q, shape_name), call0(pad_q, get_device_name),
+      call0(pad_q, is_contiguous_name),
+      new_ref(pad_kv == pad_q ? Py_True : Py_False),
+      attr(pad_kv, dtype_name), attr(pad_kv, shape_name), call0(pad_kv, get_device_name),
+      call0(pad_kv, is_contiguous_name)};
+  PyObject *key = PyTuple_New(KEY_SIZE);
+  for (int i = 0; i < KEY_SIZE; i++) {
+    if (!items[i] || !key) { /* a getter raised: drop the rest, keep its exception */
+      for (int j = 0; j < KEY_SIZE; j++) Py_XDECREF(items[j]);
+      Py_XDECREF(key);
+      return NULL;
+    }
+  }
+  for (int i = 0; i < KEY_SIZE; i++) PyTuple_SET_ITEM(key, i, items[i]);
+  return key;
+}
+
+/* Truth of module global ``name`` in dict ``g`` (absent: false); -1 on error. */
+static int global_true(PyObject *g, PyObject *name) {
+  PyObject *v = PyDict_GetItemWithError(g, name);
+  if (!v) return PyErr_Occurred() ? -1 : 0;
+  return PyObject_IsTrue(v);
+}
+
+/* After TE's call: serve(), or an AFTER for the wrapper's Python. */
+static PyObject *after_te(PyObject *const *st, PyObject *out, PyObject *key, PyObject *entry,
+                          PyObject *const *picked) {
+  PyObject *exc = NULL;
+  PyObject *launch_plan = PyTuple_GET_ITEM(entry, 3);
+  PyObject *record = attr(launch_plan, c_name);
+  if (!record) return NULL;
+  int outcome = 0;
+  if (record != Py_None) {
+    outcome = global_true(st[S_TP_GLOBALS], fast_ok_name);
+    if (outcome == 1) {
+      outcome = global_true(st[S_TP_GLOBALS], broken_name);
+      if (outcome >= 0) outcome = !outcome;
+    }
+    if (outcome == 1) outcome = serve_checked(record, PyTuple_GET_ITEM(entry, 2), out, picked + 3);
+  }
+  Py_DECREF(record);
+  if (outcome == 1) {
+    if (bump(st[S_COUNTS], C_FIXED) < 0) return NULL;
+    served++;
+    return new_ref(out);
+  }
+  if (outcome < 0) {
+    /* As the lane's ``except Exception``: the wrapper gives the direct launch up. */
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) return NULL;
+    PyObject *type, *tb;
+    PyErr_Fetch(&type, &exc, &tb);
+    PyErr_NormalizeException(&type, &exc, &tb);
+    if (tb && exc) PyException_SetTraceback(exc, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    if (!exc) return NULL;
+  }
+  PyObject *items = PyTuple_Pack(8, out, key, entry, exc ? exc : Py_None, picked[3], picked[4],
+                                 picked[5], picked[6]);
+  Py_XDECREF(exc);
+  if (!items) return NULL;
+  PyObject *after = PyObject_CallOneArg(st[S_AFTER], items);
+  Py_DECREF(items);
+  return after;
+}
+
+static PyObject *lane(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  (void)self;
+  if (nargs != 3 || !PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) != S_SIZE ||
+      !PyTuple_CheckExact(args[1]) || !PyDict_CheckExact(args[2])) {
+    PyErr_SetString(PyExc_TypeError, "lane(state, args: tuple, kwargs: dict)");
+    return NULL;
+  }
+  PyObject *const *st = &PyTuple_GET_ITEM(args[0], 0);
+  PyObject *call_args = args[1], *kwargs = args[2];
+  PyObject *miss = st[S_MISS];
+  PyObject *snap = st[S_SNAP];
+  if (!tensor_type || !PyList_CheckExact(snap) || PyList_GET_SIZE(snap) != 4 ||
+      !PyList_CheckExact(st[S_COUNTS]) || PyList_GET_SIZE(st[S_COUNTS]) != C_SIZE ||
+      !PyDict_CheckExact(st[S_DATA]) || !PyDict_CheckExact(st[S_ENTRIES]) ||
+      !PyDict_CheckExact(st[S_GLOBALS]) || !PyDict_CheckExact(st[S_FIXED]) ||
+      !PyDict_CheckExact(st[S_DECISIONS]) || !PyDict_CheckExact(st[S_TP_GLOBALS]) ||
+      !PyTuple_CheckExact(st[S_AT]) || PyTuple_GET_SIZE(st[S_AT]) != N_PICKED) {
+    PyErr_SetString(PyExc_TypeError, "te_gqa_fix c_launch: malformed lane state");
+    return NULL;
+  }
+  /* The settings, as last read (the lane is on, both raw values the same objects). */
+  if (PyList_GET_ITEM(snap, 0) != Py_True) return new_ref(miss);
+  for (int i = 0; i < 2; i++) {
+    PyObject *raw = PyDict_GetItemWithError(st[S_DATA], st[i ? S_KEY_VALIDATE : S_KEY_POLICY]);
+    if (!raw && PyErr_Occurred()) return NULL;
+    if ((raw ? raw : Py_None) != PyList_GET_ITEM(snap, i + 1)) return new_ref(miss);
+  }
+  /* The twelve arguments: by position, or through the binder's picker. */
+  PyObject *picked_by_name = NULL;
+  PyObject *p[N_PICKED];
+  Py_ssize_t need = PyLong_AsSsize_t(st[S_NEED]);
+  if (need == -1 && PyErr_Occurred()) return NULL;
+  if (PyDict_GET_SIZE(kwargs) == 0 && PyTuple_GET_SIZE(call_args) >= need) {
+    for (int i = 0; i < N_PICKED; i++) {
+      Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(st[S_AT], i));
+      if (at < 0 || at >= PyTuple_GET_SIZE(call_args)) {
+        if (!PyErr_Occurred())
+          PyErr_SetString(PyExc_ValueError, "te_gqa_fix c_launch: lane position out of range");
+        return NULL;
+      }
+      p[i] = PyTuple_GET_ITEM(call_args, at);
+    }
+  } else {
+    picked_by_name = PyObject_CallFunctionObjArgs(st[S_PICK_BY_NAME], call_args, kwargs, NULL);
+    if (!picked_by_name) return NULL;
+    if (!PyTuple_CheckExact(picked_by_name) || PyTuple_GET_SIZE(picked_by_name) != N_PICKED) {
+      Py_DECREF(picked_by_name);
+      return new_ref(miss);
+    }
+    for (int i = 0; i < N_PICKED; i++) p[i] = PyTuple_GET_ITEM(picked_by_name, i);
+  }
+  PyObject *ret = NULL, *dev = NULL, *key = NULL, *entry = NULL, *fn = NULL;
+  /* q, k, v and the four offsets: plain tensors. */
+  for (int i = 0; i < 7; i++)
+    if ((PyObject *)Py_TYPE(p[i]) != tensor_type) goto miss;
+  /* q's CUDA device (wrapper._device_index), read here unless replaced there. */
+  fn = PyDict_GetItemWithError(st[S_GLOBALS], device_index_name);
+  if (!fn) goto fail_or_miss;
+  if (fn == st[S_DEVICE_INDEX]) {
+    PyObject *is_cuda = attr(p[0], is_cuda_name);
+    if (!is_cuda) goto done;
+    int cuda = is_cuda == Py_True;
+    Py_DECREF(is_cuda);
+    if (!cuda) goto miss;
+    dev = call0(p[0], get_device_name);
+  } else {
+    dev = PyObject_CallOneArg(fn, p[0]);
+  }
+  if (!dev) goto done;
+  if (dev == Py_None) goto miss;
+  /* The fixed-cuDNN pass-through (policy auto): guard.cudnn_fixed's cached answer. */
+  if (PyList_GET_ITEM(snap, 3) == Py_True) {
+    int fixed;
+    fn = PyDict_GetItemWithError(st[S_GLOBALS], cudnn_fixed_name);
+    if (!fn) goto fail_or_miss;
+    if (fn == st[S_CUDNN_FIXED]) {
+      PyObject *answer = PyDict_GetItemWithError(st[S_FIXED], dev);
+      if (!answer) goto fail_or_miss; /* not decided yet: the wrapper's Python decides */
+      fixed = PyObject_IsTrue(answer);
+    } else {
+      PyObject *answer = PyObject_CallOneArg(fn, dev);
+      if (!answer) goto done;
+      fixed = PyObject_IsTrue(answer);
+      Py_DECREF(answer);
+    }
+    if (fixed < 0) goto done;
+    if (fixed) {
+      if (bump(st[S_COUNTS], C_CALLS) < 0 || bump(st[S_COUNTS], C_SKIPPED) < 0 ||
+          bump(st[S_COUNTS], C_FAST_LANE) < 0)
+        goto done;
+      served++;
+      ret = PyObject_Call(st[S_ORIGINAL], call_args, kwargs);
+      goto done;
+    }
+  }
+  key = lane_key(p, dev);
+  if (!key) goto done;
+  entry = PyDict_GetItemWithError(st[S_ENTRIES], key);
+  if (!entry) {
+    if (PyErr_Occurred() && PyErr_ExceptionMatches(PyExc_TypeError)) PyErr_Clear();
+    goto fail_or_miss; /* an unhashable argument, or nothing recorded */
+  }
+  Py_INCREF(entry); /* TE's call may run any Python, the lane's clear() included */
+  if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 4) goto miss;
+  /* The head-dim guard decided with nothing to say. */
+  PyObject *guard_key = PyTuple_GET_ITEM(entry, 1);
+  if (guard_key != Py_None) {
+    PyObject *said = PyDict_GetItemWithError(st[S_DECISIONS], guard_key);
+    if (!said && PyErr_Occurred()) goto done;
+    if (said != Py_None) goto miss;
+  }
+  if (bump(st[S_COUNTS], C_CALLS) < 0 || bump(st[S_COUNTS], C_FAST_LANE) < 0) goto done;
+  PyObject *out = PyObject_Call(st[S_ORIGINAL], call_args, kwargs);
+  if (!out) goto done;
+  ret = after_te(st, out, key, entry, p);
+  Py_DECREF(out);
+  goto done;
+fail_or_miss:
+  if (PyErr_Occurred()) goto done;
+miss:
+  ret = new_ref(miss);
+done:
+  Py_XDECREF(entry);
+  Py_XDECREF(key);
+  Py_XDECREF(dev);
+  Py_XDECREF(picked_by_name);
+  return ret;
 }
 
 static PyObject *setup(PyObject *self, PyObject *args) {
@@ -288,6 +560,12 @@ static PyObject *launches(PyObject *self, PyObject *unused) {
   return PyLong_FromUnsignedLongLong(launched);
 }
 
+static PyObject *lanes(PyObject *self, PyObject *unused) {
+  (void)self;
+  (void)unused;
+  return PyLong_FromUnsignedLongLong(served);
+}
+
 static PyObject *header_size(PyObject *self, PyObject *unused) {
   (void)self;
   (void)unused;
@@ -303,7 +581,11 @@ static PyMethodDef methods[] = {
     {"setup", setup, METH_VARARGS,
      "setup(libcuda, get_device, raw_stream, runtime_knobs, Tensor, Parameter): the "
      "driver, torch's calls and the plain tensor types"},
+    {"lane", (PyCFunction)(void (*)(void))lane, METH_FASTCALL,
+     "lane(state, args, kwargs): the wrapper's fast lane for one call: TE's result, the "
+     "state's MISS (nothing done), or an AFTER (TE called, the rest for Python)"},
     {"launches", launches, METH_NOARGS, "kernels launched through launch() so far"},
+    {"lanes", lanes, METH_NOARGS, "calls lane() served (launched, or passed through)"},
     {"header_size", header_size, METH_NOARGS, "bytes of a record before its slots"},
     {NULL, NULL, 0, NULL}};
 
@@ -319,8 +601,18 @@ PyMODINIT_FUNC PyInit_te_gqa_fix_c_launch(void) {
   stride_name = PyUnicode_InternFromString("stride");
   dtype_name = PyUnicode_InternFromString("dtype");
   get_device_name = PyUnicode_InternFromString("get_device");
+  is_cuda_name = PyUnicode_InternFromString("is_cuda");
+  is_contiguous_name = PyUnicode_InternFromString("is_contiguous");
+  c_name = PyUnicode_InternFromString("c");
+  fast_ok_name = PyUnicode_InternFromString("_fast_ok");
+  broken_name = PyUnicode_InternFromString("_broken");
+  device_index_name = PyUnicode_InternFromString("_device_index");
+  cudnn_fixed_name = PyUnicode_InternFromString("cudnn_fixed");
+  one = PyLong_FromLong(1);
   if (!data_ptr_name || !enter_name || !exit_name || !calls_name || !shape_name ||
-      !stride_name || !dtype_name || !get_device_name)
+      !stride_name || !dtype_name || !get_device_name || !is_cuda_name ||
+      !is_contiguous_name || !c_name || !fast_ok_name || !broken_name ||
+      !device_index_name || !cudnn_fixed_name || !one)
     return NULL;
   return PyModule_Create(&module);
 }

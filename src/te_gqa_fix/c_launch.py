@@ -18,13 +18,16 @@ It declines, doing nothing, whenever Triton's own path must run: a pointer not 1
 aligned, a launch hook set, another current device, no current CUDA context. The
 wrapper's fast lane calls ``serve`` right after TE's call: TE's outputs checked against
 the output key the lane recorded (as the lane checks them in Python), no bad offsets
-pending, then the same launch: after TE's call, in C only.
+pending, then the same launch: after TE's call, in C only. ``lane`` goes one step
+further, for the same reason: the whole fast lane of the wrapper (its checks before TE's
+call, the call, then ``serve``) in one C call (see ``te_gqa_fix.wrapper._Lane``).
 
 When: only for kernels Triton 3.5/3.6 compiled (the releases whose launcher was read:
 ``te_gqa_fix.triton_postpass._C_LAUNCH_RELEASES``) with one CTA per program, no
 cooperative or PDL launch and no scratch memory, all of whose parameters are pointers or
-integers. ``TE_GQA_FIX_C_LAUNCH=0`` turns it off. Without a C compiler, or anywhere the
-build fails, the launch stays in Python (logged once).
+integers. ``TE_GQA_FIX_C_LAUNCH=0`` turns it off, the C lane with it. Without a C
+compiler, or anywhere the build fails, the launch and the lane stay in Python (logged
+once).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 
 from ._logging import log_once
 
-__all__ = ["enabled", "launch_count", "load", "record"]
+__all__ = ["enabled", "lane_count", "launch_count", "load", "record"]
 
 ENV = "TE_GQA_FIX_C_LAUNCH"
 
@@ -116,6 +119,12 @@ def load(
 def launch_count() -> int:
     """Kernels launched from C in this process (0 before the module is loaded)."""
     return 0 if _module is None else int(_module.launches())
+
+
+def lane_count() -> int:
+    """Wrapper calls the C lane (``lane`` in c_launch.c) served in this process: launched
+    the post-pass, or passed through on a fixed cuDNN (0 before the module is loaded)."""
+    return 0 if _module is None else int(_module.lanes())
 
 
 def record(

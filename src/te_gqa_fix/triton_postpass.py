@@ -828,16 +828,16 @@ def _make_launch_plan(
 
 _fast_ok = True  # cleared (and logged once) when the direct launch ever fails
 _runtime_knobs: Any = None
-#: te_gqa_fix.c_launch's ``launch(record, *tensors)`` and ``serve(record, output key, out,
-#: *offsets)`` (the wrapper's fast lane), once loaded.
+#: te_gqa_fix.c_launch's ``launch(record, *tensors)`` and ``lane(state, args, kwargs)``
+#: (the wrapper's whole fast lane, TE's call and ``serve`` included), once loaded.
 _c_launch: Any = None
-_c_serve: Any = None
+_c_lane: Any = None
 
 
 def _load_c_launch() -> Any:
     """The C launch (:mod:`te_gqa_fix.c_launch`), set up with torch's current device
     and stream calls and Triton's launch hooks; None where it cannot be had."""
-    global _c_launch, _c_serve
+    global _c_launch, _c_lane
     if _c_launch is None:
         get_device = getattr(torch._C, "_cuda_getDevice", None)
         raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -845,7 +845,7 @@ def _load_c_launch() -> Any:
             return None
         module = c_launch.load("libcuda.so.1", get_device, raw_stream, _runtime_knobs, _PLAIN)
         if module is not None:
-            _c_launch, _c_serve = module.launch, module.serve
+            _c_launch, _c_lane = module.launch, module.lane
     return _c_launch
 
 

@@ -25,6 +25,7 @@ from ._marker import MARKER, is_wrapper, unwrap
 # The guard's decisions, read by the fast lane: one dict lookup says "decided, nothing
 # to say" without a call (reset_guard clears the same dict).
 from .guard import _decisions as _guard_decisions
+from .guard import _fixed as _guard_fixed
 from .guard import check_head_dims, cudnn_fixed
 from .masks import KeySpan, key_span
 from .policy import deep_validation_enabled, env_mapping, get_policy
@@ -236,6 +237,12 @@ def _device_index(q: object) -> Optional[int]:
     return device.index if device is not None and getattr(device, "type", None) == "cuda" else None
 
 
+#: The two functions the C lane reads the answers of itself (q's device; the cached
+#: cuDNN decision) while this module's globals still name them; where a test or
+#: benchmark replaced one, the C lane calls the replacement.
+_C_READS = (_device_index, cudnn_fixed)
+
+
 def _decide(
     binder: _Args,
     args: Sequence,
@@ -410,6 +417,13 @@ class _Lane:
     position, the rest by keyword), the same shapes on every layer and step: the lane
     takes both.
 
+    Where te_gqa_fix.c_launch's module is loaded (Triton 3.5/3.6, a C compiler), the lane
+    runs in C (``lane`` in c_launch.c): the same checks in the same order on the same
+    objects, TE's call, then ``serve``, reading :attr:`c_state`. It answers "nothing done"
+    (:data:`_MISS`: this Python lane then runs as before) or, having called TE, hands a
+    call ``serve`` declined back as an :class:`_AfterTE` to :func:`_finish`, the Python
+    after TE's call that this lane also runs.
+
     Per call it checks, in order: ``TE_GQA_FIX`` and ``TE_GQA_FIX_VALIDATE`` are the
     very values it last read (any change clears the lane); q, k, v and the four offsets
     are plain tensors, q on CUDA; the fixed-cuDNN pass-through; the key (every input
@@ -417,18 +431,16 @@ class _Lane:
     head-dim guard decided with nothing to say. After TE's call: the outputs' key equals
     the one recorded (:func:`te_gqa_fix.triton_postpass.output_key`), no bad offsets are
     pending and the kernel has not been given up; then it launches through
-    :func:`te_gqa_fix.triton_postpass._run`, the one direct launch. Where the plan's
-    kernel launches from C (:mod:`te_gqa_fix.c_launch`), all of that after TE's call is
-    one C call, ``serve``, which makes the same checks and otherwise declines to the
-    Python above: on the H200 the work right after TE's call costs about twice what it
-    costs back to back (benchmarks/wake_split.py). Anything else takes
+    :func:`te_gqa_fix.triton_postpass._run`, the one direct launch. (The C lane's
+    ``serve`` makes the same checks; on the H200 the work right after TE's call costs
+    about twice what it costs back to back: benchmarks/wake_split.py.) Anything else takes
     the general path, which also records what the lane may serve next time; outputs of
     new metadata go to the general post-pass and are recorded as well.
     """
 
-    __slots__ = ("entries", "env", "need", "pick", "pick_by_name", "snap")
+    __slots__ = ("c_state", "entries", "env", "need", "pick", "pick_by_name", "snap")
 
-    def __init__(self, binder: _Args) -> None:
+    def __init__(self, binder: _Args, original: Callable) -> None:
         positions = [binder.positions.get(n) for n in _LANE_ARGS]
         self.env = env_mapping()
         if self.env is None or any(i is None for i in positions[:_LANE_REQUIRED]):
@@ -445,6 +457,14 @@ class _Lane:
         #: [lane on (None: settings never read), raw TE_GQA_FIX, raw TE_GQA_FIX_VALIDATE,
         #:  policy is auto], as last read by :meth:`refresh`
         self.snap: List[Any] = [None, None, None, False]
+        #: What the C lane reads, in the order of ``S_*`` in c_launch.c: containers this
+        #: lane and its modules keep (never rebound), and the functions whose values it
+        #: reads itself as long as this module still defines them (tests replace them).
+        self.c_state = (
+            self.snap, *self.env, tuple(at), self.need, self.pick_by_name, self.entries,
+            _counts, globals(), *_C_READS, _guard_fixed, _guard_decisions,
+            vars(_tp), original, _MISS, _AfterTE,
+        )  # fmt: skip
 
     def refresh(self) -> None:
         """Re-read both settings if either changed since the last read (then forget
@@ -476,11 +496,47 @@ class _Lane:
         self.entries[key] = (plan, plan.guard, okey, launch)
 
 
-def _new_lane(binder: Optional[_Args]) -> Optional[_Lane]:
+def _new_lane(binder: Optional[_Args], original: Callable) -> Optional[_Lane]:
     try:
-        return None if binder is None else _Lane(binder)
+        return None if binder is None else _Lane(binder, original)
     except LookupError:
         return None
+
+
+#: The C lane's answer "nothing done": the Python lane runs.
+_MISS = object()
+
+
+class _AfterTE(tuple):
+    """The C lane's answer for a call it made TE's call for but did not finish (``serve``
+    declined or failed): ``(out, key, entry, exception or None, cu_q, cu_kv, pad_q,
+    pad_kv)``, finished by :func:`_finish`."""
+
+    __slots__ = ()
+
+
+def _finish(
+    lane: _Lane, key: tuple, entry: tuple, out: Any, offsets: Tuple[Any, Any, Any, Any]
+) -> Any:
+    """The fast lane after TE's call, in Python: TE's outputs checked against the
+    recorded output key, no bad offsets pending, then the direct launch; anything else
+    (new output metadata, a given-up kernel) through the general post-pass, recorded."""
+    plan, _, okey, launch = entry
+    if type(out) in _SEQUENCES and len(out) > 2:
+        dq = out[0] if plan.fix_q else None
+        dk, dv = out[1], out[2]
+        if _tp.output_key(dq, dk, dv) == okey and not _tp._broken:
+            words = launch.words
+            if not (words[0] | words[1]):
+                try:
+                    _tp._run(launch, (dk if dq is None else dq, dk, dv, *offsets))
+                    _counts[_FIXED] += 1
+                    return out
+                except Exception as exc:
+                    _tp._give_up(exc)
+    _apply(plan, offsets, out)
+    lane.learn(key, plan, offsets, out)  # new outputs' plan
+    return out
 
 
 def _new_wrapper(original: Callable) -> Callable:
@@ -500,14 +556,26 @@ def _new_wrapper(original: Callable) -> Callable:
         binder = None
         reason = str(exc)
 
-    lane = _new_lane(binder)
+    lane = _new_lane(binder, original)
     if lane is not None:
         entries, snap, pick, need = lane.entries, lane.snap, lane.pick, lane.need
-        pick_by_name = lane.pick_by_name
+        pick_by_name, c_state = lane.pick_by_name, lane.c_state
         data, key_policy, key_validate = lane.env  # type: ignore[misc]
 
     @functools.wraps(original)
     def fused_attn_bwd(*args: Any, **kwargs: Any) -> Any:
+        # The fast lane in C, where its module is loaded (see _Lane).
+        c_lane = _tp._c_lane
+        if c_lane is not None and lane is not None:
+            done = c_lane(c_state, args, kwargs)
+            if type(done) is not _AfterTE:
+                if done is not _MISS:
+                    return done
+            else:
+                out, key, entry, exc = done[:4]
+                if exc is not None:
+                    _tp._fast_failed(exc)
+                return _finish(lane, key, entry, out, done[4:])  # type: ignore[arg-type]
         _counts[_CALLS] += 1
         if binder is None:
             _passthrough(
@@ -556,37 +624,9 @@ def _new_wrapper(original: Callable) -> Callable:
                             if entry is not None and (
                                 entry[1] is None or _guard_decisions.get(entry[1], 0) is None
                             ):
-                                plan, _, okey, launch = entry
                                 _counts[_FAST_LANE] += 1
                                 out = original(*args, **kwargs)
-                                # Triton 3.5/3.6: all that follows, in C (c_launch.serve).
-                                c = launch.c
-                                if c is not None and _tp._fast_ok and not _tp._broken:
-                                    try:
-                                        if _tp._c_serve(c, okey, out, cu_q, cu_kv, pad_q, pad_kv):
-                                            _counts[_FIXED] += 1
-                                            return out
-                                    except Exception as exc:
-                                        _tp._fast_failed(exc)
-                                if type(out) in _SEQUENCES and len(out) > 2:
-                                    dq = out[0] if plan.fix_q else None
-                                    dk, dv = out[1], out[2]
-                                    if _tp.output_key(dq, dk, dv) == okey and not _tp._broken:
-                                        words = launch.words
-                                        if not (words[0] | words[1]):
-                                            try:
-                                                _tp._run(launch, (
-                                                    dk if dq is None else dq, dk, dv,
-                                                    cu_q, cu_kv, pad_q, pad_kv,
-                                                ))  # fmt: skip
-                                                _counts[_FIXED] += 1
-                                                return out
-                                            except Exception as exc:
-                                                _tp._give_up(exc)
-                                offsets = (cu_q, cu_kv, pad_q, pad_kv)
-                                _apply(plan, offsets, out)
-                                lane.learn(key, plan, offsets, out)  # new outputs' plan
-                                return out
+                                return _finish(lane, key, entry, out, (cu_q, cu_kv, pad_q, pad_kv))
         if lane is not None:
             lane.refresh()
         decided = _prepare(binder, args, kwargs, cache)

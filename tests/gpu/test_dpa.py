@@ -123,12 +123,12 @@ def test_dpa_steady_state_through_the_fast_lane(te, cudnn, affected, monkeypatch
     monkeypatch.setattr(wrapper_module, "_prepare", lambda *a: (general.append(1), prepare(*a))[1])
     te_gqa_fix.install()
     te_gqa_fix.reset_call_counts()
-    from_c = c_launch.launch_count()
+    from_c, lanes = c_launch.launch_count(), c_launch.lane_count()
     try:
         steps = [compare(batch, _dpa_step(te, batch, poison=True), refs) for _ in range(5)]
     finally:
         te_gqa_fix.uninstall()
-    from_c = c_launch.launch_count() - from_c
+    from_c, lanes = c_launch.launch_count() - from_c, c_launch.lane_count() - lanes
     counts = te_gqa_fix.call_counts()
     launchers = sorted(
         {type(p.fast[0]).__name__ for p in triton_postpass._launch_plans.values() if p.fast}
@@ -141,6 +141,7 @@ def test_dpa_steady_state_through_the_fast_lane(te, cudnn, affected, monkeypatch
         triton=triton_postpass._triton_version(),
         direct_launch_calls=launchers,
         launched_from_c=from_c,
+        c_lane_calls=lanes,
         **steps[-1],
     )
     assert counts["calls"] == 5, counts
@@ -152,6 +153,9 @@ def test_dpa_steady_state_through_the_fast_lane(te, cudnn, affected, monkeypatch
         # the steady state (the calls after the first, which compiles) from C.
         assert launchers and "CudaLauncher" not in launchers, launchers
         assert from_c >= 3, f"{from_c} launches from C (te_gqa_fix.c_launch)"
+    if triton_postpass._triton_version().startswith(triton_postpass._C_LAUNCH_RELEASES):
+        # The steady state through the C lane: the post-pass, or the fixed-cuDNN pass-through.
+        assert lanes >= 3, f"{lanes} calls through the C lane"
     assert len(general) <= 2 and counts["calls"] - len(general) >= 3, (len(general), counts)
     assert counts["fixed" if not cudnn_is_fixed(cudnn) else "skipped"] == 5, counts
     for i, res in enumerate(steps):
