@@ -487,8 +487,8 @@ static PyObject *lane(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
       if (bump(st[S_COUNTS], C_CALLS) < 0 || bump(st[S_COUNTS], C_SKIPPED) < 0 ||
           bump(st[S_COUNTS], C_FAST_LANE) < 0)
         goto done;
-      served++;
       ret = PyObject_Call(st[S_ORIGINAL], call_args, kwargs);
+      if (ret) served++;
       goto done;
     }
   }
