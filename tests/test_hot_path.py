@@ -1208,6 +1208,57 @@ def test_c_lane_reads_the_cached_cudnn_decision(monkeypatch: pytest.MonkeyPatch)
         assert torch.equal(bits(after), bits(before)), name
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
+@pytest.mark.parametrize("fault", ["getter", "device"])
+def test_lane_raises_what_it_raises_in_python(
+    monkeypatch: pytest.MonkeyPatch, lane_c: bool, fault: str
+) -> None:
+    """An exception before TE's call leaves the lane as it leaves the Python lane: the
+    same exception (not a SystemError from C calls made with it pending), the call
+    counted, TE not called. ``getter``: an offsets tensor whose ``shape`` raises (a
+    nested tensor is an exact torch.Tensor); ``device``: a replaced ``_device_index``."""
+    lane = _Lane(monkeypatch, c=lane_c)
+    lane.warm()
+    calls, te_calls = call_counts()["calls"], len(lane.fake.backend.calls)
+    arguments = call_arguments("2.20", RAGGED)
+    if fault == "getter":
+        nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+        assert type(nested) is torch.Tensor
+        arguments["cu_seqlens_q"] = nested
+        with pytest.raises(Exception) as raised:
+            nested.shape  # noqa: B018  (what the Python lane's key reads)
+        want: Any = type(raised.value)
+    else:
+
+        def no_device(q: Any) -> int:
+            raise RuntimeError("no device here")
+
+        monkeypatch.setattr(wrapper_module, "_device_index", no_device)
+        want = RuntimeError
+    with pytest.raises(want) as got:
+        lane.wrapped(*(arguments[n] for n in lane.fake.names))
+    assert type(got.value) is want and not isinstance(got.value, SystemError)
+    assert call_counts()["calls"] == calls + 1
+    assert len(lane.fake.backend.calls) == te_calls and lane.c_served() == 0
+
+
+def test_lane_reads_the_cudnn_decisions_the_guard_holds_now(
+    monkeypatch: pytest.MonkeyPatch, lane_c: bool
+) -> None:
+    """``guard._fixed`` rebound (not cleared in place) after the lane was made: both
+    lanes read the new table, as ``guard.cudnn_fixed`` does, and pass through."""
+    lane = _Lane(monkeypatch, c=lane_c)
+    monkeypatch.setattr(wrapper_module, "cudnn_fixed", wrapper_module._C_READS[1])
+    monkeypatch.setitem(guard._fixed, 0, False)
+    lane.warm()
+    monkeypatch.setattr(guard, "_fixed", {0: True})
+    lane.fake.backend.reset()
+    lane.call()
+    assert call_counts()["skipped"] == 1 and lane.c_served() == int(lane_c)
+    for name, (after, before) in lane.fake.backend.outputs.items():
+        assert torch.equal(bits(after), bits(before)), name
+
+
 def test_c_lane_hands_a_failed_launch_to_python(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -70,7 +70,8 @@ static PyObject *data_ptr_name = NULL, *enter_name = NULL, *exit_name = NULL, *c
 static PyObject *shape_name = NULL, *stride_name = NULL, *dtype_name = NULL, *get_device_name = NULL;
 static PyObject *is_cuda_name = NULL, *is_contiguous_name = NULL, *c_name = NULL;
 static PyObject *fast_ok_name = NULL, *broken_name = NULL, *device_index_name = NULL;
-static PyObject *cudnn_fixed_name = NULL;
+static PyObject *cudnn_fixed_name = NULL, *counts_name = NULL, *decisions_name = NULL;
+static PyObject *fixed_name = NULL;
 static PyObject *one = NULL;
 static unsigned long long launched = 0, served = 0;
 
@@ -278,7 +279,10 @@ static PyObject *serve(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
 
 /* ----------------------------------------------------------------- the whole lane */
 
-/* What lane() reads, in te_gqa_fix.wrapper._Lane.c_state's order. */
+/* What lane() reads, in te_gqa_fix.wrapper._Lane.c_state's order. Module globals that the
+ * Python lane reads by name on every call (_counts, _guard_decisions, guard._fixed,
+ * _device_index, cudnn_fixed, _fast_ok, _broken) are read here by name too, from the
+ * modules' dicts, so that a rebinding (a test's monkeypatch) is seen by both lanes. */
 enum {
   S_SNAP,          /* [lane on, raw TE_GQA_FIX, raw TE_GQA_FIX_VALIDATE, policy is auto] */
   S_DATA,          /* os.environ's dict, and the two keys read from it */
@@ -288,12 +292,10 @@ enum {
   S_NEED,          /* positional calls with fewer arguments: pick_by_name */
   S_PICK_BY_NAME,
   S_ENTRIES,       /* key -> (decision, guard key, output key, launch plan) */
-  S_COUNTS,        /* te_gqa_fix.wrapper._counts */
-  S_GLOBALS,       /* te_gqa_fix.wrapper's globals: _device_index, cudnn_fixed */
-  S_DEVICE_INDEX,  /* ... as defined there: then read here, not called */
-  S_CUDNN_FIXED,
-  S_FIXED,         /* te_gqa_fix.guard._fixed: device -> cuDNN fixed */
-  S_DECISIONS,     /* te_gqa_fix.guard._decisions */
+  S_GLOBALS,       /* te_gqa_fix.wrapper's globals */
+  S_DEVICE_INDEX,  /* wrapper._device_index and wrapper.cudnn_fixed as defined there: */
+  S_CUDNN_FIXED,   /* while the globals hold these, their answers are read here */
+  S_GUARD_GLOBALS, /* te_gqa_fix.guard's globals: _fixed, device -> cuDNN fixed */
   S_TP_GLOBALS,    /* te_gqa_fix.triton_postpass's globals: _fast_ok, _broken */
   S_ORIGINAL,      /* TE's function */
   S_MISS,
@@ -307,73 +309,109 @@ enum { C_CALLS, C_FIXED, C_SKIPPED, C_PASSTHROUGH, C_FAST_LANE, C_SIZE };
 /* counts[i] += 1; -1 on error. */
 static int bump(PyObject *counts, int i) {
   PyObject *old = PyList_GET_ITEM(counts, i);
+  Py_INCREF(old);
   PyObject *new_value = PyNumber_Add(old, one);
-  if (!new_value) return -1;
-  PyList_SET_ITEM(counts, i, new_value);
   Py_DECREF(old);
+  if (!new_value) return -1;
+  PyList_SetItem(counts, i, new_value); /* steals new_value, releases the old item */
   return 0;
+}
+
+/* The Python lane counts a call before anything can raise: so does lane(), keeping the
+ * exception that is on its way out. */
+static void count_raising_call(PyObject *counts) {
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);
+  if (bump(counts, C_CALLS) < 0) PyErr_Clear();
+  PyErr_Restore(type, value, tb);
 }
 
 /* A getter's or a no-argument method's value (new reference). */
 static PyObject *attr(PyObject *o, PyObject *name) { return PyObject_GetAttr(o, name); }
 static PyObject *call0(PyObject *o, PyObject *name) { return PyObject_CallMethodNoArgs(o, name); }
 
-/* The key te_gqa_fix.wrapper's fast lane builds, item for item (new reference). */
+/* The key te_gqa_fix.wrapper's fast lane builds, item for item and in its order, stopping
+ * at the first getter that raises (new reference). */
 static PyObject *lane_key(PyObject *const *p, PyObject *dev) {
   PyObject *q = p[0], *k = p[1], *v = p[2], *cu_q = p[3], *cu_kv = p[4], *pad_q = p[5],
            *pad_kv = p[6];
-  PyObject *items[KEY_SIZE] = {
-      new_ref(p[9]), new_ref(p[11]), new_ref(p[7]), new_ref(p[8]), new_ref(p[10]),
-      new_ref(dev),
-      attr(q, shape_name), attr(k, shape_name), call0(k, get_device_name),
-      attr(v, shape_name), call0(v, get_device_name),
-      attr(cu_q, dtype_name), attr(cu_q, shape_name), call0(cu_q, get_device_name),
-      call0(cu_q, is_contiguous_name),
-      attr(cu_kv, dtype_name), attr(cu_kv, shape_name), call0(cu_kv, get_device_name),
-      call0(cu_kv, is_contiguous_name),
-      attr(pad_q, dtype_name), attr(pad_q, shape_name), call0(pad_q, get_device_name),
-      call0(pad_q, is_contiguous_name),
-      new_ref(pad_kv == pad_q ? Py_True : Py_False),
-      attr(pad_kv, dtype_name), attr(pad_kv, shape_name), call0(pad_kv, get_device_name),
-      call0(pad_kv, is_contiguous_name)};
   PyObject *key = PyTuple_New(KEY_SIZE);
-  for (int i = 0; i < KEY_SIZE; i++) {
-    if (!items[i] || !key) { /* a getter raised: drop the rest, keep its exception */
-      for (int j = 0; j < KEY_SIZE; j++) Py_XDECREF(items[j]);
-      Py_XDECREF(key);
-      return NULL;
-    }
+  if (!key) return NULL;
+  Py_ssize_t n = 0;
+#define PUT(expr)                                                                          \
+  do {                                                                                     \
+    PyObject *item_ = (expr);                                                              \
+    if (!item_) {                                                                          \
+      Py_DECREF(key); /* a tuple's unset items are NULL: its dealloc skips them */          \
+      return NULL;                                                                         \
+    }                                                                                      \
+    PyTuple_SET_ITEM(key, n++, item_);                                                     \
+  } while (0)
+  PUT(new_ref(p[9]));  /* layout */
+  PUT(new_ref(p[11])); /* dqkv_layout */
+  PUT(new_ref(p[7]));  /* attn_mask_type */
+  PUT(new_ref(p[8]));  /* window_size */
+  PUT(new_ref(p[10])); /* bottom_right_diagonal */
+  PUT(new_ref(dev));
+  PUT(attr(q, shape_name));
+  PUT(attr(k, shape_name));
+  PUT(call0(k, get_device_name));
+  PUT(attr(v, shape_name));
+  PUT(call0(v, get_device_name));
+  PyObject *offsets[3] = {cu_q, cu_kv, pad_q};
+  for (int i = 0; i < 3; i++) {
+    PUT(attr(offsets[i], dtype_name));
+    PUT(attr(offsets[i], shape_name));
+    PUT(call0(offsets[i], get_device_name));
+    PUT(call0(offsets[i], is_contiguous_name));
   }
-  for (int i = 0; i < KEY_SIZE; i++) PyTuple_SET_ITEM(key, i, items[i]);
+  PUT(new_ref(pad_kv == pad_q ? Py_True : Py_False));
+  PUT(attr(pad_kv, dtype_name));
+  PUT(attr(pad_kv, shape_name));
+  PUT(call0(pad_kv, get_device_name));
+  PUT(call0(pad_kv, is_contiguous_name));
+#undef PUT
   return key;
 }
 
-/* Truth of module global ``name`` in dict ``g`` (absent: false); -1 on error. */
+/* Truth of module global ``name`` in dict ``g`` (absent: an AttributeError, as Python's
+ * module attribute read); -1 on error. */
 static int global_true(PyObject *g, PyObject *name) {
   PyObject *v = PyDict_GetItemWithError(g, name);
-  if (!v) return PyErr_Occurred() ? -1 : 0;
-  return PyObject_IsTrue(v);
+  if (!v) {
+    if (!PyErr_Occurred()) PyErr_SetObject(PyExc_AttributeError, name);
+    return -1;
+  }
+  Py_INCREF(v);
+  int truth = PyObject_IsTrue(v);
+  Py_DECREF(v);
+  return truth;
 }
 
 /* After TE's call: serve(), or an AFTER for the wrapper's Python. */
-static PyObject *after_te(PyObject *const *st, PyObject *out, PyObject *key, PyObject *entry,
-                          PyObject *const *picked) {
+static PyObject *after_te(PyObject *const *st, PyObject *counts, PyObject *out, PyObject *key,
+                          PyObject *entry, PyObject *const *picked) {
   PyObject *exc = NULL;
   PyObject *launch_plan = PyTuple_GET_ITEM(entry, 3);
   PyObject *record = attr(launch_plan, c_name);
   if (!record) return NULL;
   int outcome = 0;
   if (record != Py_None) {
-    outcome = global_true(st[S_TP_GLOBALS], fast_ok_name);
-    if (outcome == 1) {
-      outcome = global_true(st[S_TP_GLOBALS], broken_name);
-      if (outcome >= 0) outcome = !outcome;
+    /* c is not None and _tp._fast_ok and not _tp._broken: outside the lane's try. */
+    int ok = global_true(st[S_TP_GLOBALS], fast_ok_name);
+    if (ok == 1) {
+      int broken = global_true(st[S_TP_GLOBALS], broken_name);
+      ok = broken < 0 ? -1 : !broken;
     }
-    if (outcome == 1) outcome = serve_checked(record, PyTuple_GET_ITEM(entry, 2), out, picked + 3);
+    if (ok < 0) {
+      Py_DECREF(record);
+      return NULL;
+    }
+    if (ok) outcome = serve_checked(record, PyTuple_GET_ITEM(entry, 2), out, picked + 3);
   }
   Py_DECREF(record);
   if (outcome == 1) {
-    if (bump(st[S_COUNTS], C_FIXED) < 0) return NULL;
+    if (bump(counts, C_FIXED) < 0) return NULL;
     served++;
     return new_ref(out);
   }
@@ -397,6 +435,14 @@ static PyObject *after_te(PyObject *const *st, PyObject *out, PyObject *key, PyO
   return after;
 }
 
+/* Module global ``name`` of dict ``g``, a new reference; NULL with no exception when
+ * absent. */
+static PyObject *global(PyObject *g, PyObject *name) {
+  PyObject *v = PyDict_GetItemWithError(g, name);
+  Py_XINCREF(v);
+  return v;
+}
+
 static PyObject *lane(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   (void)self;
   if (nargs != 3 || !PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) != S_SIZE ||
@@ -409,51 +455,52 @@ static PyObject *lane(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   PyObject *miss = st[S_MISS];
   PyObject *snap = st[S_SNAP];
   if (!tensor_type || !PyList_CheckExact(snap) || PyList_GET_SIZE(snap) != 4 ||
-      !PyList_CheckExact(st[S_COUNTS]) || PyList_GET_SIZE(st[S_COUNTS]) != C_SIZE ||
-      !PyDict_CheckExact(st[S_DATA]) || !PyDict_CheckExact(st[S_ENTRIES]) ||
-      !PyDict_CheckExact(st[S_GLOBALS]) || !PyDict_CheckExact(st[S_FIXED]) ||
-      !PyDict_CheckExact(st[S_DECISIONS]) || !PyDict_CheckExact(st[S_TP_GLOBALS]) ||
+      !PyDict_CheckExact(st[S_ENTRIES]) || !PyDict_CheckExact(st[S_GLOBALS]) ||
+      !PyDict_CheckExact(st[S_GUARD_GLOBALS]) || !PyDict_CheckExact(st[S_TP_GLOBALS]) ||
       !PyTuple_CheckExact(st[S_AT]) || PyTuple_GET_SIZE(st[S_AT]) != N_PICKED) {
     PyErr_SetString(PyExc_TypeError, "te_gqa_fix c_launch: malformed lane state");
     return NULL;
   }
-  /* The settings, as last read (the lane is on, both raw values the same objects). */
-  if (PyList_GET_ITEM(snap, 0) != Py_True) return new_ref(miss);
+  PyObject *ret = NULL, *counts = NULL, *picked_by_name = NULL, *dev = NULL, *key = NULL;
+  PyObject *entry = NULL, *fn = NULL, *table = NULL;
+  int counted = 0; /* C_CALLS bumped for this call */
+  PyObject *p[N_PICKED];
+  counts = global(st[S_GLOBALS], counts_name);
+  if (!counts) goto fail_or_miss;
+  if (!PyList_CheckExact(counts) || PyList_GET_SIZE(counts) != C_SIZE) goto miss;
+  /* The settings, as last read (the lane is on, both raw values the same objects). A
+   * mapping other than a plain dict: the Python lane reads it. */
+  if (PyList_GET_ITEM(snap, 0) != Py_True || !PyDict_CheckExact(st[S_DATA])) goto miss;
   for (int i = 0; i < 2; i++) {
     PyObject *raw = PyDict_GetItemWithError(st[S_DATA], st[i ? S_KEY_VALIDATE : S_KEY_POLICY]);
-    if (!raw && PyErr_Occurred()) return NULL;
-    if ((raw ? raw : Py_None) != PyList_GET_ITEM(snap, i + 1)) return new_ref(miss);
+    if (!raw && PyErr_Occurred()) goto done;
+    if ((raw ? raw : Py_None) != PyList_GET_ITEM(snap, i + 1)) goto miss;
   }
   /* The twelve arguments: by position, or through the binder's picker. */
-  PyObject *picked_by_name = NULL;
-  PyObject *p[N_PICKED];
   Py_ssize_t need = PyLong_AsSsize_t(st[S_NEED]);
-  if (need == -1 && PyErr_Occurred()) return NULL;
+  if (need == -1 && PyErr_Occurred()) goto done;
   if (PyDict_GET_SIZE(kwargs) == 0 && PyTuple_GET_SIZE(call_args) >= need) {
     for (int i = 0; i < N_PICKED; i++) {
       Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(st[S_AT], i));
       if (at < 0 || at >= PyTuple_GET_SIZE(call_args)) {
         if (!PyErr_Occurred())
           PyErr_SetString(PyExc_ValueError, "te_gqa_fix c_launch: lane position out of range");
-        return NULL;
+        goto done;
       }
       p[i] = PyTuple_GET_ITEM(call_args, at);
     }
   } else {
     picked_by_name = PyObject_CallFunctionObjArgs(st[S_PICK_BY_NAME], call_args, kwargs, NULL);
-    if (!picked_by_name) return NULL;
-    if (!PyTuple_CheckExact(picked_by_name) || PyTuple_GET_SIZE(picked_by_name) != N_PICKED) {
-      Py_DECREF(picked_by_name);
-      return new_ref(miss);
-    }
+    if (!picked_by_name) goto done;
+    if (!PyTuple_CheckExact(picked_by_name) || PyTuple_GET_SIZE(picked_by_name) != N_PICKED)
+      goto miss;
     for (int i = 0; i < N_PICKED; i++) p[i] = PyTuple_GET_ITEM(picked_by_name, i);
   }
-  PyObject *ret = NULL, *dev = NULL, *key = NULL, *entry = NULL, *fn = NULL;
   /* q, k, v and the four offsets: plain tensors. */
   for (int i = 0; i < 7; i++)
     if ((PyObject *)Py_TYPE(p[i]) != tensor_type) goto miss;
   /* q's CUDA device (wrapper._device_index), read here unless replaced there. */
-  fn = PyDict_GetItemWithError(st[S_GLOBALS], device_index_name);
+  fn = global(st[S_GLOBALS], device_index_name);
   if (!fn) goto fail_or_miss;
   if (fn == st[S_DEVICE_INDEX]) {
     PyObject *is_cuda = attr(p[0], is_cuda_name);
@@ -465,27 +512,35 @@ static PyObject *lane(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   } else {
     dev = PyObject_CallOneArg(fn, p[0]);
   }
+  Py_CLEAR(fn);
   if (!dev) goto done;
   if (dev == Py_None) goto miss;
   /* The fixed-cuDNN pass-through (policy auto): guard.cudnn_fixed's cached answer. */
   if (PyList_GET_ITEM(snap, 3) == Py_True) {
     int fixed;
-    fn = PyDict_GetItemWithError(st[S_GLOBALS], cudnn_fixed_name);
+    fn = global(st[S_GLOBALS], cudnn_fixed_name);
     if (!fn) goto fail_or_miss;
     if (fn == st[S_CUDNN_FIXED]) {
-      PyObject *answer = PyDict_GetItemWithError(st[S_FIXED], dev);
+      table = global(st[S_GUARD_GLOBALS], fixed_name);
+      if (!table) goto fail_or_miss;
+      if (!PyDict_CheckExact(table)) goto miss;
+      PyObject *answer = PyDict_GetItemWithError(table, dev);
       if (!answer) goto fail_or_miss; /* not decided yet: the wrapper's Python decides */
+      Py_INCREF(answer);
       fixed = PyObject_IsTrue(answer);
+      Py_DECREF(answer);
     } else {
       PyObject *answer = PyObject_CallOneArg(fn, dev);
       if (!answer) goto done;
       fixed = PyObject_IsTrue(answer);
       Py_DECREF(answer);
     }
+    Py_CLEAR(fn);
     if (fixed < 0) goto done;
     if (fixed) {
-      if (bump(st[S_COUNTS], C_CALLS) < 0 || bump(st[S_COUNTS], C_SKIPPED) < 0 ||
-          bump(st[S_COUNTS], C_FAST_LANE) < 0)
+      counted = 1;
+      if (bump(counts, C_CALLS) < 0 || bump(counts, C_SKIPPED) < 0 ||
+          bump(counts, C_FAST_LANE) < 0)
         goto done;
       ret = PyObject_Call(st[S_ORIGINAL], call_args, kwargs);
       if (ret) served++;
@@ -501,17 +556,22 @@ static PyObject *lane(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   }
   Py_INCREF(entry); /* TE's call may run any Python, the lane's clear() included */
   if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 4) goto miss;
-  /* The head-dim guard decided with nothing to say. */
+  /* The head-dim guard decided with nothing to say (wrapper._guard_decisions). */
   PyObject *guard_key = PyTuple_GET_ITEM(entry, 1);
   if (guard_key != Py_None) {
-    PyObject *said = PyDict_GetItemWithError(st[S_DECISIONS], guard_key);
+    Py_CLEAR(table);
+    table = global(st[S_GLOBALS], decisions_name);
+    if (!table) goto fail_or_miss;
+    if (!PyDict_CheckExact(table)) goto miss;
+    PyObject *said = PyDict_GetItemWithError(table, guard_key);
     if (!said && PyErr_Occurred()) goto done;
     if (said != Py_None) goto miss;
   }
-  if (bump(st[S_COUNTS], C_CALLS) < 0 || bump(st[S_COUNTS], C_FAST_LANE) < 0) goto done;
+  counted = 1;
+  if (bump(counts, C_CALLS) < 0 || bump(counts, C_FAST_LANE) < 0) goto done;
   PyObject *out = PyObject_Call(st[S_ORIGINAL], call_args, kwargs);
   if (!out) goto done;
-  ret = after_te(st, out, key, entry, p);
+  ret = after_te(st, counts, out, key, entry, p);
   Py_DECREF(out);
   goto done;
 fail_or_miss:
@@ -519,10 +579,16 @@ fail_or_miss:
 miss:
   ret = new_ref(miss);
 done:
+  if (!ret && counts && !counted && PyList_CheckExact(counts) &&
+      PyList_GET_SIZE(counts) == C_SIZE)
+    count_raising_call(counts);
+  Py_XDECREF(table);
+  Py_XDECREF(fn);
   Py_XDECREF(entry);
   Py_XDECREF(key);
   Py_XDECREF(dev);
   Py_XDECREF(picked_by_name);
+  Py_XDECREF(counts);
   return ret;
 }
 
@@ -608,11 +674,15 @@ PyMODINIT_FUNC PyInit_te_gqa_fix_c_launch(void) {
   broken_name = PyUnicode_InternFromString("_broken");
   device_index_name = PyUnicode_InternFromString("_device_index");
   cudnn_fixed_name = PyUnicode_InternFromString("cudnn_fixed");
+  counts_name = PyUnicode_InternFromString("_counts");
+  decisions_name = PyUnicode_InternFromString("_guard_decisions");
+  fixed_name = PyUnicode_InternFromString("_fixed");
   one = PyLong_FromLong(1);
   if (!data_ptr_name || !enter_name || !exit_name || !calls_name || !shape_name ||
       !stride_name || !dtype_name || !get_device_name || !is_cuda_name ||
       !is_contiguous_name || !c_name || !fast_ok_name || !broken_name ||
-      !device_index_name || !cudnn_fixed_name || !one)
+      !device_index_name || !cudnn_fixed_name || !counts_name || !decisions_name ||
+      !fixed_name || !one)
     return NULL;
   return PyModule_Create(&module);
 }

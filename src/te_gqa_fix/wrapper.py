@@ -18,6 +18,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+# The guard's module: the C lane reads its cached cuDNN decisions (guard._fixed) by name.
+from . import guard as _guard_module
 from . import triton_postpass as _tp
 from ._logging import log_once, logger
 from ._marker import MARKER, is_wrapper, unwrap
@@ -25,7 +27,6 @@ from ._marker import MARKER, is_wrapper, unwrap
 # The guard's decisions, read by the fast lane: one dict lookup says "decided, nothing
 # to say" without a call (reset_guard clears the same dict).
 from .guard import _decisions as _guard_decisions
-from .guard import _fixed as _guard_fixed
 from .guard import check_head_dims, cudnn_fixed
 from .masks import KeySpan, key_span
 from .policy import deep_validation_enabled, env_mapping, get_policy
@@ -457,13 +458,13 @@ class _Lane:
         #: [lane on (None: settings never read), raw TE_GQA_FIX, raw TE_GQA_FIX_VALIDATE,
         #:  policy is auto], as last read by :meth:`refresh`
         self.snap: List[Any] = [None, None, None, False]
-        #: What the C lane reads, in the order of ``S_*`` in c_launch.c: containers this
-        #: lane and its modules keep (never rebound), and the functions whose values it
-        #: reads itself as long as this module still defines them (tests replace them).
+        #: What the C lane reads, in the order of ``S_*`` in c_launch.c: this lane's
+        #: containers (never rebound), the modules' globals (read by name per call, as
+        #: here), and the functions whose answers it reads itself while this module's
+        #: globals still name them (tests replace them).
         self.c_state = (
             self.snap, *self.env, tuple(at), self.need, self.pick_by_name, self.entries,
-            _counts, globals(), *_C_READS, _guard_fixed, _guard_decisions,
-            vars(_tp), original, _MISS, _AfterTE,
+            globals(), *_C_READS, vars(_guard_module), vars(_tp), original, _MISS, _AfterTE,
         )  # fmt: skip
 
     def refresh(self) -> None:
