@@ -61,6 +61,7 @@ if HERE not in sys.path:  # loaded by path (pytest) rather than run as a script
 
 from cp_report import check_results, summary_table, write_results  # noqa: E402
 
+from te_gqa_fix import c_launch  # noqa: E402
 from te_gqa_fix.affected import cudnn_is_fixed  # noqa: E402
 from te_gqa_fix.reproduce import ThdBatch, reference_attention, tolerance  # noqa: E402
 from te_gqa_fix.stack import te_cudnn_version  # noqa: E402
@@ -534,6 +535,7 @@ class Runner:
         mine = part["idx"][self.rank]
         dout = b.tensor("dout").index_select(0, mine)
         before = te_gqa_fix.call_counts()
+        lanes_before = c_launch.lane_count()
         # Patched: --steps training steps of the same batch (new leaves, poisoned each
         # time); the last one's gradients are compared. From the third step on, TE's call
         # is served by the wrapper's fast lane (call_counts' fast_lane).
@@ -571,6 +573,9 @@ class Runner:
                 "rank": self.rank,
                 "installed": installed,
                 "call_counts": delta,
+                # Calls the wrapper's C lane served (te_gqa_fix.c_launch): TE's
+                # context-parallel call sites pass keyword arguments, which it picks too.
+                "c_lane_calls": c_launch.lane_count() - lanes_before,
                 "backend": backend,
                 "out_shape": list(out.shape),
             },
@@ -784,6 +789,7 @@ class Runner:
             peak_abs=peak,
             nonfinite=nonfinite,
             fixed_calls=[i["info"]["call_counts"]["fixed"] for i in infos],
+            c_lane_calls=[i["info"].get("c_lane_calls", 0) for i in infos],
             backend=infos[0]["info"]["backend"],
         )
         if patched:
