@@ -1149,6 +1149,8 @@ def test_lane_serves_calls_with_keywords(
         assert lane.general == min(i + 1, 2), f"call {i + 1}"
         assert i == 0 or lane.direct()[-1] == _pointers(out, arguments)
     assert call_counts()["fixed"] == 4
+    # With the C module: the third and fourth calls through the C lane (its picker path).
+    assert lane.c_served() == (2 if lane_c else 0)
 
 
 def test_lane_keys_on_which_layout_argument_was_given(
@@ -1444,6 +1446,16 @@ def test_gpu_wrapper_fast_path_no_sync_and_cuda_graph(monkeypatch: pytest.Monkey
     assert c_launch.launch_count() - launched == (3 if from_c else 0)  # capture calls twice
     # ... and all three through the C lane, which read q's CUDA device itself.
     assert c_launch.lane_count() - lanes == (3 if from_c else 0)
+    # TE's context-parallel call sites pass the rest by keyword: the lane's picker path
+    # (a new key: the general path once, recording it for the launch already armed).
+    lanes = c_launch.lane_count()
+    for _ in range(3):
+        with no_host_sync():
+            wrapped(512, 512, cu_q, cu_kv, q, k, k, cu_seqlens_q_padded=pad,
+                    cu_seqlens_kv_padded=pad, qkv_layout="thd_thd_thd",
+                    attn_mask_type="padding_causal", window_size=(-1, -1))  # fmt: skip
+    assert len(general) == 3, "keyword calls: the general path once, then the fast lane"
+    assert c_launch.lane_count() - lanes == (2 if from_c else 0)
     dq.fill_(float("nan"))
     kv.fill_(float("nan"))
     graph.replay()
