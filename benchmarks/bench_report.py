@@ -315,8 +315,8 @@ def checks_table(reports: Sequence[Dict[str, Any]]) -> List[str]:
     lines = [
         "| build | workload | Triton = torch = loop | stale max before -> after (poisoned "
         "workspace) | no sync (post-pass triton / torch / TE bwd / wrapper / wrapper "
-        "pass-through / tolist loop) |",
-        "|---|---|---|---|---|",
+        "pass-through / tolist loop) | launches from C / calls through the C lane |",
+        "|---|---|---|---|---|---|",
     ]
     for report in reports:
         for res in report.get("workloads", []):
@@ -335,8 +335,11 @@ def checks_table(reports: Sequence[Dict[str, Any]]) -> List[str]:
                 "ok" if x == "ok" else ("sync" if str(x).startswith("SYNC") else str(x))
                 for x in (ch.get(k, "-") for k in keys)
             )
+            # Runs from before te_gqa_fix.c_launch (or its lane) have no count: "-".
+            from_c = " / ".join(str(ch.get(k, "-")) for k in ("launched_from_c", "c_lane_calls"))
             lines.append(
-                f"| {label(report)} | {res['workload']['name']} | {eq_s} | {po_s} | {sync_s} |"
+                f"| {label(report)} | {res['workload']['name']} | {eq_s} | {po_s} | {sync_s} "
+                f"| {from_c} |"
             )
     return lines
 

@@ -87,6 +87,22 @@ def test_wake_table_renders_from_runs_that_have_it(tmp_path: Path) -> None:
     assert bench_report.wake_table(old) == []
 
 
+def test_checks_table_shows_how_the_steady_state_ran() -> None:
+    """Round 8's raw results count the launches from C and the C-lane calls per workload:
+    the checks table shows both; older results show "-"."""
+    new = BENCH / "results" / "2026-12-01-h200-te2.20.2-round8-c-lane-repeat"
+    reports = bench_report.load(
+        [str(new / "system" / "bench.json"), str(new / "pip" / "bench.json")]
+    )
+    rows = bench_report.checks_table(reports)
+    res = reports[0]["workloads"][1]  # llama8b-8k, cuDNN 9.14
+    counts = f"| {res['checks']['launched_from_c']} / {res['checks']['c_lane_calls']} |"
+    assert rows[3].endswith(counts) and "llama8b-8k" in rows[3]
+    assert res["checks"]["c_lane_calls"] > 0
+    old = bench_report.checks_table(bench_report.load([str(RAW / "system" / "bench.json")]))
+    assert all(row.endswith("| - / - |") for row in old[2:])
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc (Linux)")
 def test_host_context_names_a_busy_thread() -> None:
     """The share of a CPU each thread used over the host timings: a thread spinning
