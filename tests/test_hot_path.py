@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from fakes.cuda_checks import capture, no_host_sync
-from fakes.oracle import bits, make_ragged
-from fakes.te_outputs import FakeTE, assert_post_pass, call_arguments
+from fakes.oracle import make_ragged
+from fakes.te_outputs import FakeTE, assert_post_pass, assert_untouched, call_arguments
 from fakes.triton_launcher import (
     CLaunch,
     CudaLauncher,
@@ -151,8 +151,7 @@ def test_auto_passes_through_on_fixed_cudnn(monkeypatch: pytest.MonkeyPatch) -> 
         fake.backend.reset()
         out = wrapped(**call_arguments("2.20", RAGGED))
         assert out is fake.backend.returned
-        for name, (after, before) in fake.backend.outputs.items():
-            assert torch.equal(bits(after), bits(before)), f"{name} was modified"
+        assert_untouched(fake.backend.outputs)
     assert ran == [] and guards == []
     # The first call reads the settings; the fast lane passes the other two through.
     assert call_counts() == {"calls": 3, "fixed": 0, "skipped": 3, "passthrough": 0, "fast_lane": 2}
@@ -245,8 +244,7 @@ def test_policy_change_between_calls_is_honoured(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("TE_GQA_FIX", "off")
     fake.backend.reset()
     wrapped(**call_arguments("2.20", RAGGED))
-    for name, (after, before) in fake.backend.outputs.items():
-        assert torch.equal(bits(after), bits(before)), name
+    assert_untouched(fake.backend.outputs)
 
 
 def test_unhashable_arguments_still_work() -> None:
@@ -1183,8 +1181,7 @@ def test_lane_passes_through_on_fixed_cudnn(monkeypatch: pytest.MonkeyPatch, lan
     lane.call()
     assert lane.general == 2 and len(lane.direct()) == 1
     assert call_counts()["skipped"] == 1 and lane.c_served() == int(lane_c)
-    for name, (after, before) in lane.fake.backend.outputs.items():
-        assert torch.equal(bits(after), bits(before)), name
+    assert_untouched(lane.fake.backend.outputs)
 
 
 def test_c_lane_reads_the_cached_cudnn_decision(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1206,8 +1203,7 @@ def test_c_lane_reads_the_cached_cudnn_decision(monkeypatch: pytest.MonkeyPatch)
         "calls": prepare + 2, "fixed": prepare + 1, "skipped": 1, "passthrough": 0,
         "fast_lane": 2,
     }  # fmt: skip
-    for name, (after, before) in lane.fake.backend.outputs.items():
-        assert torch.equal(bits(after), bits(before)), name
+    assert_untouched(lane.fake.backend.outputs)
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
@@ -1257,8 +1253,7 @@ def test_lane_reads_the_cudnn_decisions_the_guard_holds_now(
     lane.fake.backend.reset()
     lane.call()
     assert call_counts()["skipped"] == 1 and lane.c_served() == int(lane_c)
-    for name, (after, before) in lane.fake.backend.outputs.items():
-        assert torch.equal(bits(after), bits(before)), name
+    assert_untouched(lane.fake.backend.outputs)
 
 
 def test_c_lane_hands_a_failed_launch_to_python(
@@ -1344,8 +1339,7 @@ def test_lane_follows_setting_changes_both_ways(
     lane.fake.backend.reset()
     lane.call()
     assert lane.general == 3 and call_counts()["skipped"] == 1
-    for name, (after, before) in lane.fake.backend.outputs.items():
-        assert torch.equal(bits(after), bits(before)), name
+    assert_untouched(lane.fake.backend.outputs)
     monkeypatch.delenv("TE_GQA_FIX")
     for _ in range(3):
         lane.call()

@@ -243,6 +243,13 @@ def split_call(
     return [arguments[x] for x in names[:n]], {x: arguments[x] for x in names[n:]}
 
 
+def assert_untouched(outputs: Dict[str, Tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Every output of a :class:`FakeBackend` (``name -> (after, before)``) bit for bit as
+    TE returned it: what a pass-through (or a call with nothing to do) must leave."""
+    for name, (after, before) in outputs.items():
+        assert torch.equal(bits(after), bits(before)), f"{name} was modified"
+
+
 def assert_post_pass(
     outputs: Dict[str, Tuple[torch.Tensor, torch.Tensor]],
     ragged: Ragged,
