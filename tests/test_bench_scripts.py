@@ -137,3 +137,28 @@ def test_host_context_names_a_busy_thread() -> None:
     assert share.get(tids["spin"], 0) > 0.2, ctx
     assert tids["sleep"] not in share, ctx
     assert 0.0 <= ctx["steal_share_max"] <= 1.0, ctx
+
+
+def test_damage_map_kinds_cover_the_postpass_rows(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """damage_map.py's kinds of zero-gradient rows are exactly the post-pass's rows, on
+    every batch it measures; a kind left out fails the check."""
+    import damage_map
+
+    assert damage_map.main(["--selftest"]) == 0
+    assert "the kinds cover exactly the post-pass's rows in 24 batches" in capsys.readouterr().out
+    batch = damage_map.make("padding_causal", (8, 0), (8, 2), 64)
+    real = damage_map.kinds
+    for side, kind in (("kv", "unattended key"), ("kv", "padding"), ("q", "outside sequences")):
+
+        def dropped(b, side=side, kind=kind):
+            k = real(b)
+            k[side][kind][:] = False
+            return k
+
+        monkeypatch.setattr(damage_map, "kinds", dropped)
+        with pytest.raises(AssertionError, match=f"{side}: kinds differ"):
+            damage_map.check_union(batch)
+    monkeypatch.setattr(damage_map, "kinds", real)
+    damage_map.check_union(batch)
