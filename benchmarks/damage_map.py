@@ -166,9 +166,12 @@ def main(argv: List[str] | None = None) -> int:
             poison=str(poison), max_abs=found,
         ))  # fmt: skip
         nonzero = {g: [k for k, v in kv.items() if v != 0.0] for g, kv in found.items()}
-        print(f"{mask:28s} {str(window):9s} {heads} d{d:<3d} {poison!s:6s} non-zero: {nonzero}")
+        print(f"{mask:28s} {window!s:9s} {heads} d{d:<3d} {poison!s:6s} non-zero: {nonzero}")
     summary = {
-        g: {k: max(r["max_abs"][g][k] for r in results) for k in (Q_KINDS if g == "dq" else KV_KINDS)}
+        g: {
+            k: max(r["max_abs"][g][k] for r in results)
+            for k in (Q_KINDS if g == "dq" else KV_KINDS)
+        }
         for g in ("dq", "dk", "dv")
     }
     record = dict(
