@@ -20,7 +20,8 @@ post-pass writes. GPU machine, TE staged (``source .gpu-kit/env.sh``)::
     python3 benchmarks/damage_map.py --out DIR
 
 Writes ``DIR/damage_map.json`` (per case and kind: the largest |value|, NaN counted as
-inf; the stack, the command) and prints a table. A measurement, not a test.
+inf, and the number of rows of that kind, 0 where the batch has none; the stack, the
+command) and prints a table. A measurement, not a test.
 """
 
 from __future__ import annotations
@@ -161,9 +162,12 @@ def main(argv: List[str] | None = None) -> int:
     for i, (((mask, window), heads, d), poison) in enumerate(itertools.product(cases, POISONS)):
         batch = make(mask, window, heads, d)
         found = run_case(batch, poison, seed=i)
+        k = kinds(batch)
+        rows = {"dq": {n: int(m.sum()) for n, m in k["q"].items()}}
+        rows["dk"] = rows["dv"] = {n: int(m.sum()) for n, m in k["kv"].items()}
         results.append(dict(
             mask=mask, window=list(window), heads=list(heads), head_dim=d,
-            poison=str(poison), max_abs=found,
+            poison=str(poison), max_abs=found, rows=rows,
         ))  # fmt: skip
         nonzero = {g: [k for k, v in kv.items() if v != 0.0] for g, kv in found.items()}
         print(f"{mask:28s} {window!s:9s} {heads} d{d:<3d} {poison!s:6s} non-zero: {nonzero}")
