@@ -17,7 +17,7 @@ The union of the kinds is checked against ``te_gqa_fix.postpass.dead_row_masks``
 batch (``--selftest`` does that on the CPU), so the map covers exactly the rows the
 post-pass writes. GPU machine, TE staged (``source .gpu-kit/env.sh``)::
 
-    python3 benchmarks/damage_map.py --out DIR
+    python3 benchmarks/damage_map.py --out DIR [--batch main|no-keys]
 
 Writes ``DIR/damage_map.json`` (per case and kind: the largest |value|, NaN counted as
 inf, and the number of rows of that kind, 0 where the batch has none; the stack, the
@@ -45,16 +45,26 @@ from te_gqa_fix.postpass import dead_row_masks
 KV_KINDS = ("q-empty sequence", "unattended key", "padding", "outside sequences")
 Q_KINDS = ("no keys", "padding", "outside sequences")
 
-#: Sequences: one without queries, one without keys or queries (zero length), one
-#: whose few queries attend few keys (bottom-right masks, windows), padding gaps
-#: between sequences and tail rows after the last.
-BATCH = dict(
-    lq=[40, 0, 64, 20, 0, 7, 0],
-    lk=[48, 30, 64, 20, 25, 50, 0],
-    gap_q=[2, 0, 4, 1, 3, 0, 2],
-    gap_kv=[0, 2, 0, 4, 1, 3, 2],
-    tail=5,
-)
+#: ``main``: one sequence without queries, one without keys or queries (zero length), one
+#: whose few queries attend few keys (bottom-right masks, windows), padding gaps between
+#: sequences and tail rows after the last. ``no-keys``: a sequence with queries and no
+#: keys (its dQ rows' true gradient is 0; nothing for cuDNN to attend), padding and tail.
+BATCHES: Dict[str, Dict[str, Any]] = {
+    "main": dict(
+        lq=[40, 0, 64, 20, 0, 7, 0],
+        lk=[48, 30, 64, 20, 25, 50, 0],
+        gap_q=[2, 0, 4, 1, 3, 0, 2],
+        gap_kv=[0, 2, 0, 4, 1, 3, 2],
+        tail=5,
+    ),
+    "no-keys": dict(
+        lq=[16, 12, 20, 9],
+        lk=[20, 0, 24, 9],
+        gap_q=[1, 3, 0, 2],
+        gap_kv=[2, 1, 4, 0],
+        tail=3,
+    ),
+}
 MASKS: List[Tuple[str, Tuple[int, int]]] = [
     ("padding", (-1, -1)),
     ("padding_causal", (-1, 0)),
@@ -106,11 +116,14 @@ def check_union(batch: reproduce.ThdBatch) -> None:
             raise AssertionError(f"{side}: kinds differ from dead_row_masks at rows {rows}")
 
 
-def make(mask: str, window: Tuple[int, int], heads: Tuple[int, int], d: int):
+def make(
+    mask: str, window: Tuple[int, int], heads: Tuple[int, int], d: int, name: str = "main"
+) -> reproduce.ThdBatch:
+    spec = BATCHES[name]
     return reproduce.make_batch(
-        BATCH["lq"], BATCH["lk"], heads_q=heads[0], heads_kv=heads[1], head_dim=d,
-        dtype=torch.bfloat16, gap_q=BATCH["gap_q"], gap_kv=BATCH["gap_kv"],
-        tail=BATCH["tail"], mask=mask, window=window,
+        spec["lq"], spec["lk"], heads_q=heads[0], heads_kv=heads[1], head_dim=d,
+        dtype=torch.bfloat16, gap_q=spec["gap_q"], gap_kv=spec["gap_kv"],
+        tail=spec["tail"], mask=mask, window=window,
     )  # fmt: skip
 
 
@@ -150,30 +163,37 @@ def stack() -> Dict[str, Any]:
 def main(argv: List[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT") or "bench-out")
+    p.add_argument("--batch", choices=sorted(BATCHES), default="main")
     p.add_argument("--selftest", action="store_true", help="CPU: the kinds against the post-pass")
     args = p.parse_args(argv)
     cases = list(itertools.product(MASKS, HEADS, HEAD_DIMS))
-    for (mask, window), heads, d in cases:
-        check_union(make(mask, window, heads, d))
+    names = sorted(BATCHES) if args.selftest else [args.batch]
+    for name in names:
+        for (mask, window), heads, d in cases:
+            check_union(make(mask, window, heads, d, name))
     if args.selftest:
-        print(f"selftest: the kinds cover exactly the post-pass's rows in {len(cases)} batches")
+        n = len(cases) * len(names)
+        print(f"selftest: the kinds cover exactly the post-pass's rows in {n} batches")
         return 0
     results = []
     for i, (((mask, window), heads, d), poison) in enumerate(itertools.product(cases, POISONS)):
-        batch = make(mask, window, heads, d)
-        found = run_case(batch, poison, seed=i)
+        batch = make(mask, window, heads, d, args.batch)
+        case = dict(mask=mask, window=list(window), heads=list(heads), head_dim=d)
+        try:
+            found = run_case(batch, poison, seed=i)
+        except Exception as exc:  # a shape TE refuses is a finding too: recorded, not fatal
+            results.append(dict(case, poison=str(poison), error=repr(exc)[:400]))
+            print(f"{mask:28s} {window!s:9s} {heads} d{d:<3d} {poison!s:6s} error: {exc!r:.200}")
+            continue
         k = kinds(batch)
         rows = {"dq": {n: int(m.sum()) for n, m in k["q"].items()}}
         rows["dk"] = rows["dv"] = {n: int(m.sum()) for n, m in k["kv"].items()}
-        results.append(dict(
-            mask=mask, window=list(window), heads=list(heads), head_dim=d,
-            poison=str(poison), max_abs=found, rows=rows,
-        ))  # fmt: skip
+        results.append(dict(case, poison=str(poison), max_abs=found, rows=rows))
         nonzero = {g: [k for k, v in kv.items() if v != 0.0] for g, kv in found.items()}
         print(f"{mask:28s} {window!s:9s} {heads} d{d:<3d} {poison!s:6s} non-zero: {nonzero}")
     summary = {
         g: {
-            k: max(r["max_abs"][g][k] for r in results)
+            k: max([r["max_abs"][g][k] for r in results if "max_abs" in r], default=None)
             for k in (Q_KINDS if g == "dq" else KV_KINDS)
         }
         for g in ("dq", "dk", "dv")
@@ -182,7 +202,7 @@ def main(argv: List[str] | None = None) -> int:
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         command=" ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
         stack=stack(),
-        batch=BATCH,
+        batch=dict(name=args.batch, **BATCHES[args.batch]),
         fused_attn_bwd=str(inspect.signature(reproduce._fused_attn().fused_attn_bwd))[:80],
         summary_max_abs=summary,
         cases=results,

@@ -147,7 +147,7 @@ def test_damage_map_kinds_cover_the_postpass_rows(
     import damage_map
 
     assert damage_map.main(["--selftest"]) == 0
-    assert "the kinds cover exactly the post-pass's rows in 24 batches" in capsys.readouterr().out
+    assert "the kinds cover exactly the post-pass's rows in 48 batches" in capsys.readouterr().out
     batch = damage_map.make("padding_causal", (8, 0), (8, 2), 64)
     real = damage_map.kinds
     for side, kind in (("kv", "unattended key"), ("kv", "padding"), ("q", "outside sequences")):
