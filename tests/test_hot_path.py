@@ -18,7 +18,13 @@ import torch
 
 from fakes.cuda_checks import capture, no_host_sync
 from fakes.oracle import make_ragged
-from fakes.te_outputs import FakeTE, assert_post_pass, assert_untouched, call_arguments
+from fakes.te_outputs import (
+    FakeBackend,
+    FakeTE,
+    assert_post_pass,
+    assert_untouched,
+    call_arguments,
+)
 from fakes.triton_launcher import (
     CLaunch,
     CudaLauncher,
@@ -646,6 +652,48 @@ def test_c_launch_hands_the_kernel_what_tritons_launcher_would(
         assert list(params) == want and extra is False
     assert list(got[0][9][:7]) == [t.data_ptr() for t in tensors]
     assert got[0][9][7] == 0xABC0  # the pinned error word's device address
+
+
+@pytest.mark.parametrize("c", [False, True], ids=["python-launch", "c-launch"])
+def test_a_hook_that_fails_to_say_its_calls(monkeypatch: pytest.MonkeyPatch, c: bool) -> None:
+    """``getattr(hook, "calls", True)``, in Python (``_hooks_clear``) and in C (the C
+    launch's own check): a hook without ``calls`` (AttributeError) is a set hook, so the
+    direct launch declines; any other exception from it propagates (here a
+    BaseException, which no launch fallback catches). The C launch once cleared every
+    error there and declined."""
+    if c:
+        pytest.importorskip("triton.runtime.build")
+        driver, _, _, plan, tensors = _c_setup(monkeypatch)
+        hooks = driver.hooks
+        triton_postpass._run(plan, tensors)  # arms the plan: a launch record
+
+        def clear() -> bool:
+            before = len(driver.fake.launches())
+            launched = triton_postpass._c_launch(plan.c, *tensors)
+            assert len(driver.fake.launches()) == before + bool(launched)
+            return bool(launched)
+
+    else:
+        hooks = _fake_cuda(monkeypatch, _Kernel(_Compiled()))
+        clear = triton_postpass._hooks_clear
+
+    class Stop(BaseException):
+        pass
+
+    class NoChain:
+        pass
+
+    class Broken:
+        @property
+        def calls(self) -> list:
+            raise Stop("calls")
+
+    assert clear() is True
+    hooks.launch_enter_hook = NoChain()
+    assert clear() is False
+    hooks.launch_enter_hook = Broken()
+    with pytest.raises(Stop):
+        clear()
 
 
 def test_c_launch_declines_to_tritons_path(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1276,6 +1324,66 @@ def test_c_lane_hands_a_failed_launch_to_python(
     assert sum("direct Triton launch failed" in m and "700" in m for m in messages) == 1
     assert triton_postpass._fast_ok is False
     assert call_counts()["fixed"] == 4
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
+def test_lane_raises_a_failing_output_getter_and_keeps_the_direct_launch(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, lane_c: bool
+) -> None:
+    """A getter of TE's outputs that raises (a nested tensor as dQ: an exact torch.Tensor
+    whose ``shape`` raises) propagates, as the Python lane's ``output_key`` does, outside
+    the launch's ``try``: the direct launch stays on and nothing blames it. The C lane
+    once handed this to the launch's failure path, turning the direct launch off for the
+    process."""
+    monkeypatch.setattr(triton_postpass, "_fast_ok", True)
+    _reset_log_once()
+    lane = _Lane(monkeypatch, c=lane_c)
+    lane.warm()
+    nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+    with pytest.raises(Exception) as raised:
+        nested.shape  # noqa: B018  (what the output key reads)
+    plain = FakeBackend.__call__
+
+    def nested_dq(self: Any, args: Dict[str, Any]) -> list:
+        out = plain(self, args)
+        out[0] = nested
+        return out
+
+    monkeypatch.setattr(FakeBackend, "__call__", nested_dq)
+    te_calls = len(lane.fake.backend.calls)
+    with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
+        with pytest.raises(type(raised.value)) as got:
+            lane.call()
+    assert not isinstance(got.value, SystemError)
+    assert len(lane.fake.backend.calls) == te_calls + 1
+    assert triton_postpass._fast_ok is True
+    assert not [r for r in caplog.records if "launch failed" in r.getMessage()]
+
+
+@pytest.mark.parametrize("shrink", ["truncated", "cleared"])
+def test_lane_counts_with_a_list_shrunk_during_tes_call(
+    monkeypatch: pytest.MonkeyPatch, lane_c: bool, shrink: str
+) -> None:
+    """Python code that runs inside TE's call and shrinks ``wrapper._counts``: both lanes
+    raise IndexError when they count the served call. The C lane once read past the end
+    of the list (a SystemError, or a crash on a cleared one)."""
+    monkeypatch.setattr(wrapper_module, "_counts", list(wrapper_module._counts))
+    lane = _Lane(monkeypatch, c=lane_c)
+    lane.warm()
+    plain = FakeBackend.__call__
+
+    def shrinking(self: Any, args: Dict[str, Any]) -> list:
+        out = plain(self, args)
+        counts = wrapper_module._counts
+        if shrink == "truncated":
+            del counts[1:]
+        else:
+            counts.clear()
+        return out
+
+    monkeypatch.setattr(FakeBackend, "__call__", shrinking)
+    with pytest.raises(IndexError):
+        lane.call()
 
 
 def _noncontiguous(t: torch.Tensor) -> torch.Tensor:

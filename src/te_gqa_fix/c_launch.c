@@ -93,7 +93,8 @@ static int hook_clear(PyObject *name) {
   }
   PyObject *calls = PyObject_GetAttr(hook, calls_name);
   Py_DECREF(hook);
-  if (!calls) { /* a hook that is no chain: set */
+  if (!calls) { /* a hook that is no chain: set (getattr(hook, "calls", True)) */
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
     PyErr_Clear();
     return 0;
   }
@@ -220,7 +221,8 @@ static int same_facts(PyObject *t, PyObject *const *want) {
   return eq;
 }
 
-/* serve() on borrowed arguments: 1 launched, 0 declined, -1 error. */
+/* serve() on borrowed arguments: 1 launched, 0 declined, -1 error in the launch, -2
+ * error reading TE's outputs (the Python lane's output_key, outside its ``try``). */
 static int serve_checked(PyObject *record, PyObject *expected, PyObject *out,
                          PyObject *const *offsets) {
   const record_t *rec = get_record(record);
@@ -256,6 +258,7 @@ static int serve_checked(PyObject *record, PyObject *expected, PyObject *out,
   if (n_expected == 12) outcome = same_facts(dq, want);
   if (outcome == 1) outcome = same_facts(dk, want + (n_expected == 12 ? 4 : 0));
   if (outcome == 1) outcome = same_facts(dv, want + (n_expected == 12 ? 8 : 4));
+  if (outcome < 0) outcome = -2;
   if (outcome == 1) {
     /* Bad offsets an earlier call recorded (the kernel stores here): the lane raises.
      * A record without the words' address cannot tell: the lane decides. */
@@ -306,15 +309,21 @@ enum { C_CALLS, C_FIXED, C_SKIPPED, C_PASSTHROUGH, C_FAST_LANE, C_SIZE };
 #define N_PICKED 12
 #define KEY_SIZE 28
 
-/* counts[i] += 1; -1 on error. */
+/* counts[i] += 1; -1 on error. The list's length is checked here, on every bump: Python
+ * code (TE's call among it) runs between the lane's first look at it and its bumps. */
 static int bump(PyObject *counts, int i) {
+  if (PyList_GET_SIZE(counts) <= i) {
+    PyErr_SetString(PyExc_IndexError, "list index out of range");
+    return -1;
+  }
   PyObject *old = PyList_GET_ITEM(counts, i);
   Py_INCREF(old);
   PyObject *new_value = PyNumber_Add(old, one);
   Py_DECREF(old);
   if (!new_value) return -1;
-  PyList_SetItem(counts, i, new_value); /* steals new_value, releases the old item */
-  return 0;
+  /* Checks the index again (the addition may have run Python code); steals new_value,
+   * even on error. */
+  return PyList_SetItem(counts, i, new_value);
 }
 
 /* The Python lane counts a call before anything can raise: so does lane(), keeping the
@@ -415,6 +424,7 @@ static PyObject *after_te(PyObject *const *st, PyObject *counts, PyObject *out, 
     served++;
     return new_ref(out);
   }
+  if (outcome == -2) return NULL; /* as the Python lane: TE's outputs' getter raised */
   if (outcome < 0) {
     /* As the lane's ``except Exception``: the wrapper gives the direct launch up. */
     if (!PyErr_ExceptionMatches(PyExc_Exception)) return NULL;
