@@ -1254,6 +1254,27 @@ def test_c_lane_reads_the_cached_cudnn_decision(monkeypatch: pytest.MonkeyPatch)
     assert_untouched(lane.fake.backend.outputs)
 
 
+def test_lane_takes_a_cached_none_as_undecided(
+    monkeypatch: pytest.MonkeyPatch, lane_c: bool
+) -> None:
+    """``guard._fixed[device]`` holding None: ``guard.cudnn_fixed`` decides again (here:
+    fixed), so both lanes pass through. The C lane once read None as "affected" and
+    served the post-pass."""
+    lane = _Lane(monkeypatch, c=lane_c)
+    monkeypatch.setattr(wrapper_module, "cudnn_fixed", wrapper_module._C_READS[1])
+    monkeypatch.setitem(guard._fixed, 0, False)
+    lane.warm()
+    monkeypatch.setattr(guard, "runtime_facts", lambda index: type("F", (), {"cudnn": None}))
+    monkeypatch.setattr(guard, "cudnn_is_fixed", lambda version: True)
+    monkeypatch.setitem(guard._fixed, 0, None)
+    launches = len(lane.direct())
+    lane.fake.backend.reset()
+    lane.call()
+    assert call_counts()["skipped"] == 1 and len(lane.direct()) == launches
+    assert guard._fixed[0] is True and lane.c_served() == 0
+    assert_untouched(lane.fake.backend.outputs)
+
+
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
 @pytest.mark.parametrize("fault", ["getter", "device"])
 def test_lane_raises_what_it_raises_in_python(

@@ -536,6 +536,7 @@ static PyObject *lane(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
       if (!PyDict_CheckExact(table)) goto miss;
       PyObject *answer = PyDict_GetItemWithError(table, dev);
       if (!answer) goto fail_or_miss; /* not decided yet: the wrapper's Python decides */
+      if (answer == Py_None) goto miss; /* as undecided: guard.cudnn_fixed decides again */
       Py_INCREF(answer);
       fixed = PyObject_IsTrue(answer);
       Py_DECREF(answer);
