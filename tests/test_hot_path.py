@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import inspect
 import logging
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import pytest
 import torch
@@ -1275,6 +1275,29 @@ def test_lane_takes_a_cached_none_as_undecided(
     assert_untouched(lane.fake.backend.outputs)
 
 
+def _shapeless() -> Tuple[torch.Tensor, type]:
+    """A nested tensor (an exact torch.Tensor whose ``shape`` raises, as the lane's keys
+    read it) and the type of what it raises."""
+    nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+    assert type(nested) is torch.Tensor
+    with pytest.raises(Exception) as raised:
+        nested.shape  # noqa: B018
+    return nested, type(raised.value)
+
+
+def _te_then(monkeypatch: pytest.MonkeyPatch, then: Callable[[list], None]) -> None:
+    """The fake TE's call runs ``then`` on the outputs it made before it returns them:
+    Python run inside TE's call, or outputs changed after the lane recorded them."""
+    plain = FakeBackend.__call__
+
+    def call(self: FakeBackend, args: Dict[str, Any]) -> list:
+        out = plain(self, args)
+        then(out)
+        return out
+
+    monkeypatch.setattr(FakeBackend, "__call__", call)
+
+
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
 @pytest.mark.parametrize("fault", ["getter", "device"])
 def test_lane_raises_what_it_raises_in_python(
@@ -1289,12 +1312,7 @@ def test_lane_raises_what_it_raises_in_python(
     calls, te_calls = call_counts()["calls"], len(lane.fake.backend.calls)
     arguments = call_arguments("2.20", RAGGED)
     if fault == "getter":
-        nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
-        assert type(nested) is torch.Tensor
-        arguments["cu_seqlens_q"] = nested
-        with pytest.raises(Exception) as raised:
-            nested.shape  # noqa: B018  (what the Python lane's key reads)
-        want: Any = type(raised.value)
+        arguments["cu_seqlens_q"], want = _shapeless()
     else:
 
         def no_device(q: Any) -> int:
@@ -1360,20 +1378,15 @@ def test_lane_raises_a_failing_output_getter_and_keeps_the_direct_launch(
     _reset_log_once()
     lane = _Lane(monkeypatch, c=lane_c)
     lane.warm()
-    nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
-    with pytest.raises(Exception) as raised:
-        nested.shape  # noqa: B018  (what the output key reads)
-    plain = FakeBackend.__call__
+    nested, raises = _shapeless()
 
-    def nested_dq(self: Any, args: Dict[str, Any]) -> list:
-        out = plain(self, args)
+    def nested_dq(out: list) -> None:
         out[0] = nested
-        return out
 
-    monkeypatch.setattr(FakeBackend, "__call__", nested_dq)
+    _te_then(monkeypatch, nested_dq)
     te_calls = len(lane.fake.backend.calls)
     with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
-        with pytest.raises(type(raised.value)) as got:
+        with pytest.raises(raises) as got:
             lane.call()
     assert not isinstance(got.value, SystemError)
     assert len(lane.fake.backend.calls) == te_calls + 1
@@ -1391,18 +1404,15 @@ def test_lane_counts_with_a_list_shrunk_during_tes_call(
     monkeypatch.setattr(wrapper_module, "_counts", list(wrapper_module._counts))
     lane = _Lane(monkeypatch, c=lane_c)
     lane.warm()
-    plain = FakeBackend.__call__
 
-    def shrinking(self: Any, args: Dict[str, Any]) -> list:
-        out = plain(self, args)
+    def shrinking(out: list) -> None:
         counts = wrapper_module._counts
         if shrink == "truncated":
             del counts[1:]
         else:
             counts.clear()
-        return out
 
-    monkeypatch.setattr(FakeBackend, "__call__", shrinking)
+    _te_then(monkeypatch, shrinking)
     with pytest.raises(IndexError):
         lane.call()
 
@@ -1481,19 +1491,15 @@ def test_lane_checks_the_outputs_and_pending_errors(
     """After TE's call: outputs of other metadata than recorded go to the launch cache
     (a new plan, Triton's own launch) and are recorded; bad offsets recorded by an
     earlier call raise before anything is launched, then the lane serves again."""
-    from fakes.te_outputs import FakeBackend
     from te_gqa_fix import offset_errors
 
     lane = _Lane(monkeypatch, c=lane_c)
     lane.warm()
-    plain = FakeBackend.__call__
 
-    def strided_dq(self: FakeBackend, args: Dict[str, Any]) -> list:
-        out = plain(self, args)
+    def strided_dq(out: list) -> None:
         out[0] = out[0].transpose(0, 1).contiguous().transpose(0, 1)  # same shape, new strides
-        return out
 
-    monkeypatch.setattr(FakeBackend, "__call__", strided_dq)
+    _te_then(monkeypatch, strided_dq)
     out, arguments = lane.call()
     assert lane.general == 2  # the inputs are as recorded
     assert len(lane.kernel.slow) == 2, "the new output strides reused the recorded plan"
