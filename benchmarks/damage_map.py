@@ -134,7 +134,11 @@ def largest(t: torch.Tensor, rows: torch.Tensor) -> float:
     return float(sel.float().abs().nan_to_num(float("inf")).max().item())
 
 
-def run_case(batch: reproduce.ThdBatch, poison: float, seed: int) -> Dict[str, Dict[str, float]]:
+def run_case(
+    batch: reproduce.ThdBatch, poison: float, seed: int
+) -> Tuple[Dict[str, Dict[str, float]], Dict[str, Dict[str, int]]]:
+    """TE's own backward on ``batch`` after a poisoned workspace: per gradient and kind,
+    the largest |value| left, and the number of rows of that kind."""
     fa = reproduce._fused_attn()
     original = fa.fused_attn_bwd
     if hasattr(original, "__wrapped__"):
@@ -151,7 +155,9 @@ def run_case(batch: reproduce.ThdBatch, poison: float, seed: int) -> Dict[str, D
     for name in KV_KINDS:
         out["dk"][name] = largest(dk, k["kv"][name])
         out["dv"][name] = largest(dv, k["kv"][name])
-    return out
+    rows = {"dq": {n: int(m.sum()) for n, m in k["q"].items()}}
+    rows["dk"] = rows["dv"] = {n: int(m.sum()) for n, m in k["kv"].items()}
+    return out, rows
 
 
 def stack() -> Dict[str, Any]:
@@ -180,14 +186,11 @@ def main(argv: List[str] | None = None) -> int:
         batch = make(mask, window, heads, d, args.batch)
         case = dict(mask=mask, window=list(window), heads=list(heads), head_dim=d)
         try:
-            found = run_case(batch, poison, seed=i)
+            found, rows = run_case(batch, poison, seed=i)
         except Exception as exc:  # a shape TE refuses is a finding too: recorded, not fatal
             results.append(dict(case, poison=str(poison), error=repr(exc)[:400]))
             print(f"{mask:28s} {window!s:9s} {heads} d{d:<3d} {poison!s:6s} error: {exc!r:.200}")
             continue
-        k = kinds(batch)
-        rows = {"dq": {n: int(m.sum()) for n, m in k["q"].items()}}
-        rows["dk"] = rows["dv"] = {n: int(m.sum()) for n, m in k["kv"].items()}
         results.append(dict(case, poison=str(poison), max_abs=found, rows=rows))
         nonzero = {g: [k for k, v in kv.items() if v != 0.0] for g, kv in found.items()}
         print(f"{mask:28s} {window!s:9s} {heads} d{d:<3d} {poison!s:6s} non-zero: {nonzero}")
