@@ -1,13 +1,11 @@
 #!/usr/bin/env python3
-"""What ``TE_GQA_FIX_CUDNN=auto`` adds to a process's start-up (GPU machine, installed hook).
+"""What ``TE_GQA_FIX_CUDNN=auto`` adds to a process's start-up (needs the installed hook).
 
-Fresh interpreters, side by side and alternating (unset, auto, unset, auto, ...), timing
-``import torch`` and ``import transformer_engine.pytorch`` from process start to the end of
-the import (wall clock, median of ``--repeat``). With ``auto`` the start-up hook discovers
-the fixed cuDNN among the environment's wheels and loads its libraries right before torch;
-torch then finds ``libcudnn.so.9`` already loaded. Each child also reports the cuDNN TE runs.
+Fresh interpreters, alternating unset and ``auto``, time ``import torch`` and
+``import transformer_engine.pytorch`` from process start to the end of the import (wall
+clock, median of ``--repeat``); each child also reports the cuDNN TE runs.
 
-    source .gpu-kit/env.sh && python3 benchmarks/startup_cudnn.py --out $OUT
+    python3 benchmarks/startup_cudnn.py --out startup.json [--repeat 5]
 """
 
 from __future__ import annotations
@@ -15,14 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-from pathlib import Path
-from typing import Dict, List
+import time
+from typing import Any, Dict, List, Optional
+
+from common import median, metadata, write
 
 CHILD = r"""
-import time, json, sys
+import json, time
 t0 = time.perf_counter()
 import {module}
 t1 = time.perf_counter()
@@ -34,67 +33,50 @@ print("CHILD" + json.dumps({{"import_s": t1 - t0, "te_cudnn": te}}))
 """
 
 
-def one(module: str, setting: str) -> Dict[str, float]:
+def one(module: str, setting: str) -> Dict[str, Any]:
+    """One fresh interpreter: its wall time and what it printed."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TE_GQA_FIX")}
     if setting != "unset":
         env["TE_GQA_FIX_CUDNN"] = setting
-    code = CHILD.format(module=module)
-    # -X importtime is not used: the hook's own work happens inside the import of torch.
-    import time
-
     t0 = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", CHILD.format(module=module)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     wall = time.perf_counter() - t0
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("CHILD")]
     if proc.returncode != 0 or not line:
         raise RuntimeError(proc.stderr[-2000:])
-    out = json.loads(line[0][len("CHILD") :])
-    out["process_s"] = wall
-    return out
+    return {**json.loads(line[0][len("CHILD") :]), "process_s": wall}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--repeat", type=int, default=7)
-    ap.add_argument("--out", default=os.environ.get("OUT", "startup-out"))
-    args = ap.parse_args()
-    rows: List[Dict[str, object]] = []
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--out", default="startup.json", help="the JSON file to write")
+    args = ap.parse_args(argv)
+    rows = []
     for module in ("torch", "transformer_engine.pytorch"):
-        samples: Dict[str, List[Dict[str, float]]] = {"unset": [], "auto": []}
-        one(module, "unset")  # warm the file cache once
+        one(module, "unset")  # warm the file cache
+        samples: Dict[str, List[Dict[str, Any]]] = {"unset": [], "auto": []}
         for _ in range(args.repeat):
-            for setting in ("unset", "auto"):
+            for setting in samples:
                 samples[setting].append(one(module, setting))
-        med = {
-            s: {
-                "import_ms": 1e3 * statistics.median(x["import_s"] for x in v),
-                "process_ms": 1e3 * statistics.median(x["process_s"] for x in v),
-                "te_cudnn": v[-1].get("te_cudnn"),
-            }
-            for s, v in samples.items()
-        }
+        ms = {s: 1e3 * median([x["process_s"] for x in v]) for s, v in samples.items()}
         rows.append(
             {
                 "import": module,
-                **{f"{s}_{k}": val for s, m in med.items() for k, val in m.items()},
-                "added_ms": med["auto"]["process_ms"] - med["unset"]["process_ms"],
+                "unset_ms": ms["unset"],
+                "auto_ms": ms["auto"],
+                "added_ms": ms["auto"] - ms["unset"],
+                "te_cudnn": {s: v[-1]["te_cudnn"] for s, v in samples.items()},
             }
         )
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from te_gqa_fix.stack import stack_summary
-
-    result = {"command": "python3 benchmarks/startup_cudnn.py", "repeat": args.repeat,
-              "stack": stack_summary(), "rows": rows}  # fmt: skip
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "startup.json").write_text(json.dumps(result, indent=2) + "\n")
-    for r in rows:
-        print(
-            f"{r['import']:<28} unset {r['unset_process_ms']:8.1f} ms  auto "
-            f"{r['auto_process_ms']:8.1f} ms  added {r['added_ms']:+7.1f} ms  "
-            f"(TE cuDNN unset {r['unset_te_cudnn']}, auto {r['auto_te_cudnn']})"
-        )
+        print(f"{module}: unset {ms['unset']:.0f} ms, auto {ms['auto']:.0f} ms")
+    write(args.out, {"bench": "startup", **metadata(), "repeat": args.repeat, "rows": rows})
     return 0
 
 

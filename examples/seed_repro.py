@@ -66,10 +66,12 @@ def main() -> int:
     except ImportError as exc:
         print(f"seed_repro: needs Transformer Engine ({exc})")
         return 2
-    import te_gqa_fix
-    from te_gqa_fix.te_compat import find_original
+    import transformer_engine
 
-    te_bwd = find_original()  # TE's own function, even if the fix is installed
+    import te_gqa_fix
+
+    te_gqa_fix.uninstall()  # TE's own function, even where the start-up hook installed the fix
+    te_bwd = te_fa.fused_attn_bwd
     backend = te_fa.FusedAttnBackend["F16_arbitrary_seqlen"]
     extra: Dict[str, Any] = {}
     if "dqkv_dtype" in inspect.signature(te_bwd).parameters:  # TE 2.8
@@ -82,7 +84,7 @@ def main() -> int:
     i32 = dict(dtype=torch.int32, device=dev)
     cu_kv_l, pad_l = [0, 3, 9], [0, 4, 12]
     failures: List[str] = []
-    print(f"GPU {torch.cuda.get_device_name()}, TE {te_gqa_fix.get_te_version()}, ", end="")
+    print(f"GPU {torch.cuda.get_device_name()}, TE {transformer_engine.__version__}, ", end="")
     try:
         from transformer_engine.pytorch.utils import get_cudnn_version
 

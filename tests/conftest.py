@@ -1,8 +1,9 @@
 """Shared fixtures for the CPU suite: a clean te-gqa-fix state around every test.
 
 te-gqa-fix keeps a little process-wide state on purpose (log-once keys, call counters,
-the patch registry, the drop-in's cached TE module); each test starts from none of it and
-from no ``TE_GQA_FIX*`` variable in the environment, so tests cannot leak into each other.
+the wrappers and their call-shape caches, the guard's per-device decisions, the patch
+registry); each test starts from none of it and from no ``TE_GQA_FIX*`` variable in the
+environment, so tests cannot leak into each other.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Iterator
 import pytest
 
 import te_gqa_fix
-from te_gqa_fix import _logging, patch, wrapper
+from te_gqa_fix import _logging, affected, patch, wrapper
 
 _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:  # ``fakes`` is imported by name (also from the fake TE package)
@@ -30,19 +31,22 @@ def clean_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for name in list(os.environ):
         if name.startswith("TE_GQA_FIX"):
             monkeypatch.delenv(name)
+    monkeypatch.setattr(wrapper, "_wrappers", {})
     _logging._reset_log_once()
     te_gqa_fix.reset_call_counts()
+    affected.reset()
     yield
     _logging._reset_log_once()
     te_gqa_fix.reset_call_counts()
+    affected.reset()
 
 
 @pytest.fixture
 def fake_te(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A fake ``transformer_engine`` (and ``fake_framework``) importable from ``tmp_path``.
 
-    Whatever was in ``sys.modules`` under those names before is put back afterwards, the
-    patch is uninstalled, and the drop-in forgets the fake module it cached.
+    Whatever was in ``sys.modules`` under those names before is put back afterwards, and
+    the patch is uninstalled.
     """
     saved = {name: sys.modules[name] for name in te_package.loaded_fake_modules()}
     for name in saved:
@@ -50,9 +54,6 @@ def fake_te(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     te_package.write_fake_te(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.invalidate_caches()
-    monkeypatch.setattr(wrapper, "_te_module", None)
-    monkeypatch.setattr(wrapper, "_wrappers", {})
-    monkeypatch.delattr(wrapper.fused_attn_bwd, "__wrapped__", raising=False)
     te_package.BACKEND.reset()
     te_package.DIRECT_CALLERS.clear()
     try:

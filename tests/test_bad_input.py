@@ -1,33 +1,28 @@
-"""Issue #13: bad input never becomes a silently wrong gradient (one test group per finding).
+"""Bad input never becomes a silently wrong gradient (issues #13 and #26; a group per finding).
 
-Each test here failed on the code before the fix (see the commit message of the fix for
-the before/after table). The Triton kernel's side of finding 3 and finding 6 runs under
-the Triton interpreter in a child process (``TRITON_INTERPRET=1`` must be set before
-Triton decorates a kernel), like tests/test_triton_postpass.py: this file run as a
-script, ``python tests/test_bad_input.py <check>``.
+Each test here failed on the code before its fix. The Triton kernel's side of findings 3
+and 6 (impossible offsets: the kernel's verdict, nothing stored, raised at the next call)
+runs under the Triton interpreter in tests/test_triton_postpass.py.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import sys
 from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import te_gqa_fix
-from fakes.interpreter import run_worker
 from fakes.oracle import assert_rows, bits, expected_keep, make_ragged
 from fakes.te_outputs import FakeTE, call_arguments
-from te_gqa_fix import offset_errors, triton_postpass, zero_dead_rows
+from te_gqa_fix import launch, offset_errors, postpass, zero_dead_rows
 from te_gqa_fix.cli import main
+from te_gqa_fix.cli.plan import PlanInput, build_plan, plan_from_json
 from te_gqa_fix.offset_errors import OffsetsError
-from te_gqa_fix.plan import PlanInput, build_plan, plan_from_json
+from te_gqa_fix.postpass import dead_row_masks
 from te_gqa_fix.wrapper import _new_wrapper as make_wrapper
 
 I32 = torch.int32
@@ -159,9 +154,11 @@ def test_dk_dv_heads_must_agree() -> None:
 BAD_OFFSETS = {
     # name: (overrides, argument named)
     "negative_kv": (dict(cu_seqlens_kv=_t([0, -3, 5, 6])), "cu_seqlens_kv"),
+    "negative_first": (dict(cu_seqlens_kv_padded=_t([-1, 5, 7, 9])), "cu_seqlens_kv_padded"),
     "decreasing_q": (dict(cu_seqlens_q=_t([0, 2, 1, 5])), "cu_seqlens_q"),
     "past_buffer_padded": (dict(cu_seqlens_kv_padded=_t([1, 5, 7, 12])), "cu_seqlens_kv_padded"),
     "padded_shorter": (dict(cu_seqlens_kv=_t([0, 3, 7, 8])), "cu_seqlens_kv_padded"),
+    "one_row_short": (dict(cu_seqlens_kv=_t([0, 3, 6, 7])), "cu_seqlens_kv_padded"),
     "valid_past_buffer": (dict(cu_seqlens_q=_t([0, 2, 2, 6])), "cu_seqlens_q"),
 }
 
@@ -188,16 +185,41 @@ def test_the_issue_example_keeps_the_valid_dq_rows() -> None:
     assert torch.equal(dq[:2], keep)
 
 
-def test_validate_keeps_its_immediate_check(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TE_GQA_FIX_VALIDATE", "1")
+#: What TE_GQA_FIX_VALIDATE=1 says about each of BAD_OFFSETS.
+VALIDATE_MESSAGES = {
+    "negative_kv": "cu_seqlens_kv: expected non-decreasing offsets, got 0 then -3 at index 1",
+    "negative_first": "cu_seqlens_kv_padded: expected offsets >= 0, got -1 first",
+    "decreasing_q": "cu_seqlens_q: expected non-decreasing offsets, got 2 then 1 at index 2",
+    "past_buffer_padded": "cu_seqlens_kv_padded: last offset 12 is past the 10 kv rows of the "
+    "buffer",
+    "padded_shorter": "cu_seqlens_kv: sequence 1 has 4 tokens but cu_seqlens_kv_padded gives it "
+    "only 2 rows",
+    "one_row_short": "cu_seqlens_kv: sequence 1 has 3 tokens but cu_seqlens_kv_padded gives it "
+    "only 2 rows",
+    "valid_past_buffer": "cu_seqlens_q: last offset 6 is past the 5 q rows of the buffer",
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_OFFSETS))
+def test_validate_keeps_its_immediate_check(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The kernel judges offsets on the device (on CUDA: raised at the next call);
+    # TE_GQA_FIX_VALIDATE=1 reads them first and raises in the call, before the launch.
+    launches: List[int] = []
+    monkeypatch.setattr(postpass, "kernel_plan", lambda *args: object())  # as on CUDA
+    monkeypatch.setattr(launch, "launch", lambda *args: launches.append(1))
     dq, dk, dv = _grads()
-    with pytest.raises(ValueError, match=r"^cu_seqlens_kv: expected offsets >= 0|non-decreasing"):
-        zero_dead_rows(dq, dk, dv, **{**OFFS, "cu_seqlens_kv": _t([0, -3, 5, 6])})  # type: ignore[arg-type]
+    bad = {**OFFS, **BAD_OFFSETS[case][0]}
+    zero_dead_rows(dq, dk, dv, **bad)  # type: ignore[arg-type]
+    assert launches == [1]
+    monkeypatch.setenv("TE_GQA_FIX_VALIDATE", "1")
+    with pytest.raises(OffsetsError) as info:
+        zero_dead_rows(dq, dk, dv, **bad)  # type: ignore[arg-type]
+    assert str(info.value) == VALIDATE_MESSAGES[case] and launches == [1]
 
 
 def test_dead_row_masks_refuse_impossible_offsets() -> None:
     with pytest.raises(OffsetsError, match="cu_seqlens_q"):
-        te_gqa_fix.postpass.dead_row_masks(_t([0, 3, 1]), _t([0, 2, 4]), rows_q=3, rows_kv=4)
+        dead_row_masks(_t([0, 3, 1]), _t([0, 2, 4]), rows_q=3, rows_kv=4)
 
 
 def test_a_recorded_error_surfaces_at_the_next_call_and_is_cleared() -> None:
@@ -335,32 +357,37 @@ def test_a_failing_kernel_falls_back_to_the_pytorch_post_pass(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Before: no test proved the fallback runs (a mutant skipping it survived).
-    def boom(*args: Any, **kwargs: Any) -> None:
+    launches: List[int] = []
+
+    def boom(*args: Any) -> None:
+        launches.append(1)
         raise RuntimeError("compile failed")
 
-    monkeypatch.setattr(triton_postpass, "_available", True)
-    monkeypatch.setattr(triton_postpass, "_broken", False)
-    monkeypatch.setattr(triton_postpass, "_why_unsupported", lambda *a, **k: None)
-    monkeypatch.setattr(triton_postpass, "_launch", boom)
+    monkeypatch.setattr(postpass, "_broken", False)
+    monkeypatch.setattr(postpass, "kernel_plan", lambda *args: object())  # as on CUDA
+    monkeypatch.setattr(launch, "launch", boom)
     ragged = make_ragged([(3, 5), (0, 4), (2, 2)], gaps_q=[1, 0, 1], gaps_kv=[0, 2, 1], tail_kv=1)
     keep_q, keep_kv = expected_keep(ragged, "padding_causal")
-    dq, dk, dv = _grads(ragged.rows_q, ragged.rows_kv)
-    before = [t.clone() for t in (dq, dk, dv)]
-    with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
-        zero_dead_rows(dq, dk, dv, *ragged.tensors(), impl="triton")
-    assert triton_postpass._broken is True
+    for _ in range(2):  # the second call goes straight to PyTorch
+        dq, dk, dv = _grads(ragged.rows_q, ragged.rows_kv)
+        before = [t.clone() for t in (dq, dk, dv)]
+        with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
+            zero_dead_rows(dq, dk, dv, *ragged.tensors(), impl="triton")
+        assert_rows(dq, before[0], keep_q, "dq")
+        assert_rows(dk, before[1], keep_kv, "dk")
+        assert_rows(dv, before[2], keep_kv, "dv")
+    assert postpass._broken is True and launches == [1]
     assert any("Triton post-pass failed" in r.getMessage() for r in caplog.records)
-    assert_rows(dq, before[0], keep_q, "dq")
-    assert_rows(dk, before[1], keep_kv, "dk")
-    assert_rows(dv, before[2], keep_kv, "dv")
 
 
-@pytest.mark.parametrize("check", ["kernel_offsets", "kernel_offsets_chunked", "public_triton"])
-def test_interpreter_worker(check: str) -> None:
-    pytest.importorskip("triton")
-    proc = run_worker(__file__, check)
-    assert proc.returncode == 0, f"worker {check!r} failed:\n{proc.stdout}\n{proc.stderr}"
-    assert f"worker {check}: ok" in proc.stdout, proc.stdout
+def test_impl_torch_never_asks_for_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_kernel(*args: Any) -> None:
+        raise AssertionError("impl='torch' asked for a kernel plan")
+
+    monkeypatch.setattr(postpass, "kernel_plan", no_kernel)
+    dq, dk, dv = _grads()
+    zero_dead_rows(dq, dk, dv, **OFFS, impl="torch")  # type: ignore[arg-type]
+    assert bool((dk[0] == 0).all())
 
 
 # ------------------------------------------------------------- 8. CLI negative offsets
@@ -384,181 +411,122 @@ def test_build_plan_names_malformed_fields() -> None:
         build_plan(PlanInput((0, 3), (0, 6), rows_kv=-1))
 
 
-# ------------------------------------------------------------- interpreter worker bodies
-# Run with TRITON_INTERPRET=1 in a child process (see the module docstring).
+# ------------------------------------------------------------- issue #26: one gate
+# zero_dead_rows and dead_row_masks pass the same checks with the same messages. Before,
+# dead_row_masks checked no offset metadata: with cu_seqlens_q=[0,3], cu_seqlens_kv=[0,3,6]
+# it marked no KV row dead, the reverse raised a bare IndexError, float offsets were
+# truncated, 2-D and meta offsets raised raw torch errors, and rows were not checked;
+# zero_dead_rows took impl="garbage" as "auto". window_size=(2, True) was refused already,
+# but no test said so (a mutant dropping the bool check survived).
+
+META = torch.device("meta")
+#: (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded) -> message
+BAD_METADATA = {
+    "kv_longer": ((_t([0, 3]), _t([0, 3, 6]), None, None),
+                  "cu_seqlens_kv: expected 2 offsets (batch_size + 1, as cu_seqlens_q), got 3"),
+    "kv_shorter": ((_t([0, 3, 6]), _t([0, 3]), None, None),
+                   "cu_seqlens_kv: expected 3 offsets (batch_size + 1, as cu_seqlens_q), got 2"),
+    "padded_shorter": ((_t([0, 2, 5]), _t([0, 3, 6]), None, _t([0, 3])),
+                       "cu_seqlens_kv_padded: expected 3 offsets (batch_size + 1, as "
+                       "cu_seqlens_q), got 2"),
+    "float": ((torch.tensor([0, 2.5, 5]), _t([0, 3, 6]), None, None),
+              "cu_seqlens_q: expected dtype torch.int32 (as TE requires), got torch.float32"),
+    "int64": ((_t([0, 2, 5]), torch.tensor([0, 3, 6]), None, None),
+              "cu_seqlens_kv: expected dtype torch.int32 (as TE requires), got torch.int64"),
+    "2-D": ((_t([[0, 2, 5]]), _t([0, 3, 6]), None, None),
+            "cu_seqlens_q: expected a 1-D tensor of batch_size + 1 offsets, got shape (1, 3)"),
+    "meta": ((_t([0, 2, 5]), _t([0, 3, 6]), torch.empty(3, dtype=I32, device=META), None),
+             "cu_seqlens_q_padded: expected a tensor with data, got a meta tensor"),
+    "empty": ((_t([]), _t([]), None, None),
+              "cu_seqlens_q: expected at least one offset (batch_size + 1 >= 1), got none"),
+    "list": (([0, 2, 5], _t([0, 3, 6]), None, None),
+             "cu_seqlens_q: expected a 1-D torch.int32 tensor of batch_size + 1 offsets, got list"),
+    "kv_none": ((_t([0, 2, 5]), None, None, None),
+                "cu_seqlens_kv: expected a 1-D torch.int32 tensor of batch_size + 1 offsets, "
+                "got NoneType"),
+}  # fmt: skip
 
 
-def _bits_from_torch(cu_q, cu_kv, pad_q, pad_kv, rows_q, rows_kv) -> int:
-    from te_gqa_fix.postpass import _offset_error_bits
-
-    def i64(t):
-        return t.to(torch.int64)
-
-    return int(
-        _offset_error_bits(
-            i64(cu_q),
-            i64(cu_kv),
-            i64(cu_q if pad_q is None else pad_q),
-            i64(cu_kv if pad_kv is None else pad_kv),
-            pad_q is not None,
-            pad_kv is not None,
-            rows_q,
-            rows_kv,
-        )
-    )
+def _error_of(call: Any) -> Any:
+    try:
+        call()
+    except Exception as exc:  # what each entry point raises, compared below
+        return type(exc), str(exc)
+    return None
 
 
-@st.composite
-def _malformed(draw: Any) -> Dict[str, Any]:
-    n = draw(st.integers(0, 5)) + 1
-    value = st.integers(-3, 14)
-    offs = [draw(st.lists(value, min_size=n, max_size=n)) for _ in range(4)]
-    if draw(st.booleans()):  # often well formed, so both verdicts are exercised
-        offs[0] = sorted(abs(x) for x in offs[0])
-        offs[1] = sorted(abs(x) for x in offs[1])
-    return dict(
-        offs=offs,
-        pad_q=draw(st.booleans()),
-        pad_kv=draw(st.booleans()),
-        rows_q=draw(st.integers(0, 14)),
-        rows_kv=draw(st.integers(0, 14)),
-        with_q=draw(st.booleans()),
-        mask=draw(st.sampled_from(["padding_causal", "padding", "padding_causal_bottom_right"])),
-    )
-
-
-def _worker_kernel_offsets() -> None:
-    """The kernel's verdict equals the PyTorch path's, bit for bit; bad = nothing stored.
-
-    Run with kept rows found by the binary search (``kernel_offsets``) and, offsets
-    scanned 2 at a time, by the interval compare (``kernel_offsets_chunked``).
-    """
-    from te_gqa_fix.masks import key_span
-
-    cpu = torch.device("cpu")
-
-    @settings(max_examples=250, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
-    @given(case=_malformed())
-    def check(case: Dict[str, Any]) -> None:
-        offset_errors._reset()
-        cu_q, cu_kv, pq, pk = (_t(x) for x in case["offs"])
-        pad_q = pq if case["pad_q"] else None
-        pad_kv = pk if case["pad_kv"] else None
-        rows_q, rows_kv = max(case["rows_q"], 1), max(case["rows_kv"], 1)
-        gen = torch.Generator().manual_seed(1)
-        dq = torch.randn(rows_q, 2, 3, generator=gen) if case["with_q"] else None
-        dk, dv = torch.randn(rows_kv, 1, 3, generator=gen), torch.randn(rows_kv, 1, 3)
-        before = [None if t is None else t.clone() for t in (dq, dk, dv)]
-        triton_postpass._launch(dq, dk, dv, cu_q, cu_kv, pad_q, pad_kv, key_span(case["mask"]))
-        want = _bits_from_torch(
-            cu_q, cu_kv, pad_q, pad_kv, rows_q if case["with_q"] else None, rows_kv
-        )
-        got = int(offset_errors.kernel_flag(cpu)[0])
-        assert got == want, (got, want, case)
-        if want:
-            for t, b in zip((dq, dk, dv), before):
-                assert t is None or torch.equal(bits(t), bits(b)), "bad offsets: a store"
-            with pytest.raises(OffsetsError):
-                offset_errors.raise_pending(cpu)
-
-    check()
-    # The issue's example through the kernel: nothing zeroed, cu_seqlens_kv named.
-    offset_errors._reset()
+def _both_entry_points(offsets: tuple, **kwargs: Any) -> List[Any]:
+    """The error each public entry point raises on ``offsets`` (None: none), and a check
+    that zero_dead_rows wrote nothing before raising."""
     dq, dk, dv = _grads()
     before = [t.clone() for t in (dq, dk, dv)]
-    triton_postpass._launch(dq, dk, dv, _t([0, 2, 2, 5]), _t([0, -3, 5, 6]), None,
-                            _t([1, 5, 7, 9]), key_span("padding_causal"))  # fmt: skip
+    errors = [
+        _error_of(lambda: zero_dead_rows(dq, dk, dv, *offsets, **kwargs)),
+        _error_of(lambda: dead_row_masks(*offsets, rows_q=5, rows_kv=10, **kwargs)),
+    ]
+    if errors[0] is not None:
+        _unchanged(before, [dq, dk, dv])
+    return errors
+
+
+@pytest.mark.parametrize("case", sorted(BAD_METADATA))
+def test_bad_offset_metadata_raises_the_same_named_error_everywhere(case: str) -> None:
+    offsets, message = BAD_METADATA[case]
+    assert _both_entry_points(offsets) == [(ValueError, message)] * 2
+
+
+@pytest.mark.parametrize("case", sorted(BAD_OFFSETS))
+def test_impossible_offsets_raise_the_same_error_everywhere(case: str) -> None:
+    overrides, name = BAD_OFFSETS[case]
+    offsets = tuple({**OFFS, **overrides}.values())
+    errors = _both_entry_points(offsets)
+    assert errors[0] == errors[1] and errors[0][0] is OffsetsError and name in errors[0][1]
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(window_size=(2, True)), "window_size"),  # mutant K05 survived this
+        (dict(window_size=(True, 2)), "window_size"),
+        (dict(window_size=(2.0, 0)), "window_size"),
+        (dict(attn_mask_type="padding_casual"), "attn_mask_type"),
+        (dict(bottom_right_diagonal=1), "bottom_right_diagonal"),
+    ],
+)
+def test_bad_mask_arguments_raise_the_same_named_error_everywhere(
+    kwargs: Dict[str, Any], name: str
+) -> None:
+    errors = _both_entry_points(tuple(OFFS.values()), **kwargs)
+    assert errors[0] == errors[1] and errors[0][0] is ValueError
+    assert errors[0][1].startswith(f"{name}: expected"), errors[0][1]
+
+
+def test_good_input_passes_both_entry_points_alike() -> None:
+    assert _both_entry_points(tuple(OFFS.values())) == [None, None]
+
+
+@pytest.mark.parametrize("rows", [-1, 2.5, True, "10", None])
+@pytest.mark.parametrize("name", ["rows_q", "rows_kv"])
+def test_dead_row_masks_rows_must_be_non_negative_ints(name: str, rows: Any) -> None:
+    if name == "rows_q" and rows is None:
+        assert dead_row_masks(*OFFS.values(), rows_q=None, rows_kv=10).q is None  # no dQ
+        return
+    kwargs = {"rows_q": 5, "rows_kv": 10, name: rows}
+    with pytest.raises(ValueError, match=rf"^{name}: expected a non-negative int, got {rows!r}$"):
+        dead_row_masks(*OFFS.values(), **kwargs)
+
+
+@pytest.mark.parametrize("name", ["dq", "dv"])
+def test_gradients_on_another_device_raise_naming_it(name: str) -> None:
+    grads = dict(zip(("dq", "dk", "dv"), _grads()))
+    grads[name] = torch.empty(grads[name].shape, device=META)
+    with pytest.raises(ValueError, match=rf"^{name}: expected it on dk's device cpu, got meta$"):
+        zero_dead_rows(*grads.values(), **OFFS)  # type: ignore[arg-type]
+
+
+def test_unknown_impl_raises_before_anything_is_written() -> None:
+    dq, dk, dv = _grads()
+    before = [t.clone() for t in (dq, dk, dv)]
+    with pytest.raises(ValueError, match=r"^impl: expected 'auto', 'torch' or 'triton', got 'gpu'"):
+        zero_dead_rows(dq, dk, dv, **OFFS, impl="gpu")  # type: ignore[arg-type]
     _unchanged(before, [dq, dk, dv])
-    with pytest.raises(OffsetsError, match=r"^cu_seqlens_kv\b.*: impossible offsets"):
-        zero_dead_rows(dq, dk, dv, **OFFS, impl="torch")  # type: ignore[arg-type]
-
-
-def _worker_public_triton() -> None:
-    """Public zero_dead_rows(impl="triton") on CPU tensors through the interpreted kernel.
-
-    ``available`` and the CUDA requirement are lifted so the public path reaches the
-    kernel; against the brute-force oracle with q and kv padded offsets that differ and
-    explicit bottom_right_diagonal, so swapping the padded offsets or dropping the flag
-    on the way to the kernel fails here.
-    """
-    from fakes.oracle import Ragged
-
-    triton_postpass._available = True
-    real = triton_postpass._why_unsupported
-    triton_postpass._why_unsupported = lambda dq, dk, dv, offs, require_cuda: real(  # type: ignore[assignment]
-        dq, dk, dv, offs, False
-    )
-    reached: List[int] = []
-    launch = triton_postpass._launch
-
-    def counted(*args: Any) -> None:
-        reached.append(1)
-        launch(*args)
-
-    triton_postpass._launch = counted  # type: ignore[assignment]
-
-    @settings(max_examples=200, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
-    @given(
-        pairs=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), min_size=1, max_size=5),
-        gq=st.lists(st.integers(0, 3), min_size=5, max_size=5),
-        gk=st.lists(st.integers(0, 3), min_size=5, max_size=5),
-        mask=st.sampled_from(
-            ["padding_causal", "padding_causal_bottom_right", "padding", "causal"]
-        ),
-        window=st.tuples(st.integers(-1, 4), st.integers(-1, 4)),
-        brd=st.sampled_from([None, True, False]),
-        with_q=st.booleans(),
-    )
-    def check(pairs, gq, gk, mask, window, brd, with_q) -> None:
-        n = len(pairs)
-        if "causal" in mask and window[1] > 0:  # TE leaves right in {-1, 0} for causal
-            window = (window[0], 0)
-        ragged: Ragged = make_ragged(pairs, gaps_q=gq[:n], gaps_kv=gk[:n], lead_q=1, tail_kv=2)
-        keep_q, keep_kv = expected_keep(ragged, mask, window, brd)
-        gen = torch.Generator().manual_seed(3)
-        dq = torch.randn(ragged.rows_q, 4, 3, generator=gen)
-        dk = torch.randn(ragged.rows_kv, 2, 3, generator=gen)
-        dv = torch.randn(ragged.rows_kv, 2, 3, generator=gen)
-        before = [t.clone() for t in (dq, dk, dv)]
-        zero_dead_rows(dq if with_q else None, dk, dv, *ragged.tensors(), attn_mask_type=mask,
-                       window_size=window, bottom_right_diagonal=brd, impl="triton")  # fmt: skip
-        if with_q:
-            assert_rows(dq, before[0], keep_q, "dq")
-        else:
-            assert torch.equal(dq, before[0])
-        assert_rows(dk, before[1], keep_kv, "dk")
-        assert_rows(dv, before[2], keep_kv, "dv")
-
-    check()
-    assert reached, "the public path never reached the kernel"
-    assert not triton_postpass._broken
-
-
-def _worker_kernel_offsets_chunked() -> None:
-    """The same with the offsets scanned 2 at a time (errors in every chunk position),
-    kept rows found by the interval compare."""
-    offset_errors._OFF_BLOCK_MAX = 2
-    triton_postpass._COMPARE_MAX_OFFSETS = 1 << 30
-    _worker_kernel_offsets()
-    chunks = {p.meta["OFF_CHUNKS"] for p in triton_postpass._launch_plans.values()}
-    assert max(chunks) == 3, chunks
-
-
-def _worker_kernel_offsets_search() -> None:
-    triton_postpass._COMPARE_MAX_OFFSETS = 0
-    _worker_kernel_offsets()
-
-
-WORKER_CHECKS = {
-    "kernel_offsets": _worker_kernel_offsets_search,
-    "kernel_offsets_chunked": _worker_kernel_offsets_chunked,
-    "public_triton": _worker_public_triton,
-}
-
-
-if __name__ == "__main__":
-    name = sys.argv[1]
-    WORKER_CHECKS[name]()
-    print(f"worker {name}: ok")

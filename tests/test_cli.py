@@ -1,17 +1,17 @@
-"""``te-gqa-fix plan`` and ``te-gqa-fix doctor`` on CPU (no GPU, no real TE).
+"""``te-gqa-fix plan`` and ``te-gqa-fix doctor`` on CPU (no GPU, no real TE), in this process.
 
 The plan's expected rows are written out by hand from the mask definitions (one run of
 rows per line below), never computed by the code under test. Doctor is checked on its
-pure parts (maps parser, verdict, exit-code decision) with tables of facts, its wiring
-with monkeypatched probes, its live check with a fake TE whose backward runs on CPU, and
-end to end in a subprocess that sees no GPU and no importable TE.
+pure parts (maps parser, exit-code decision) with tables of facts, its wiring with
+monkeypatched probes, and its live check and whole report with a fake TE whose backward
+runs on CPU, or with no importable TE at all.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
-import os
-import subprocess
+import runpy
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -22,13 +22,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fakes import te_package
-from te_gqa_fix import affected, cudnn, doctor, doctor_text, stack
-from te_gqa_fix.cli import main
-from te_gqa_fix.plan import PlanInput, build_plan
+from te_gqa_fix import cudnn, stack, validation
+from te_gqa_fix.cli import doctor, main, report
+from te_gqa_fix.cli import plan as plan_module
+from te_gqa_fix.cli.plan import MAX_ROWS, PlanInput, build_plan
 from te_gqa_fix.postpass import dead_row_masks
-
-ROOT = Path(__file__).resolve().parents[1]
-SRC = ROOT / "src"
+from te_gqa_fix.settings import SETTINGS, SettingError
+from te_gqa_fix.settings import get as get_setting
 
 Runs = Sequence[Tuple[int, int, str, Optional[int]]]  # (first row, last row, code, sequence)
 
@@ -256,6 +256,118 @@ def test_plan_needs_offsets(capsys: pytest.CaptureFixture) -> None:
     assert exc.value.code == 2
 
 
+# ------------------------------------------------------------- plan: what it refuses
+
+
+def refused(capsys: pytest.CaptureFixture, args: List[str]) -> str:
+    """Run ``plan`` with ``args``; it must refuse with exit 2; return its stderr."""
+    assert main(["plan", *args]) == 2
+    return capsys.readouterr().err
+
+
+def plan_file(tmp_path: Path, **fields: Any) -> str:
+    path = tmp_path / "batch.json"
+    path.write_text(json.dumps({"cu_seqlens_q": [0, 3], "cu_seqlens_kv": [0, 6], **fields}))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        (["--cu-seqlens-q", "0,2147483648", "--cu-seqlens-kv", "0,3"], "cu_seqlens_q"),
+        (["--cu-seqlens-q", "-2147483649,0", "--cu-seqlens-kv", "0,0"], "cu_seqlens_q"),
+        (["--cu-seqlens-q", "0,3", "--cu-seqlens-kv", "0,3", "--padded-kv", "0,4294967296"],
+         "cu_seqlens_kv_padded"),
+    ],
+)  # fmt: skip
+def test_plan_refuses_offsets_past_int32(
+    capsys: pytest.CaptureFixture, args: List[str], field: str
+) -> None:
+    # Before: an uncaught RuntimeError from torch.tensor(..., dtype=torch.int32), exit 1.
+    err = refused(capsys, args)
+    assert f"error: {field}: offset" in err and "does not fit in int32" in err
+
+
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        (["--cu-seqlens-q", "0,3", "--cu-seqlens-kv", "0,3", "--rows-kv", "3000000000"], "rows_kv"),
+        (["--cu-seqlens-q", "0,3", "--cu-seqlens-kv", "0,3", "--rows-q", str(MAX_ROWS + 1)],
+         "rows_q"),
+        (["--cu-seqlens-q", "0,0", "--cu-seqlens-kv", f"0,{MAX_ROWS + 1}"], "cu_seqlens_kv"),
+        (["--cu-seqlens-q", "0,0", "--cu-seqlens-kv", "0,1", "--padded-q", "0,2000000000",
+          "--padded-kv", "0,1"], "cu_seqlens_q_padded"),
+    ],
+)  # fmt: skip
+def test_plan_refuses_rows_too_large_to_list_before_allocating(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, args: List[str], field: str
+) -> None:
+    # Before: --rows-kv 3000000000 was killed for memory (23.6 GB resident).
+    def allocates(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("plan allocated row masks for a batch it must refuse")
+
+    monkeypatch.setattr(plan_module, "dead_row_masks", allocates)
+    err = refused(capsys, args)
+    assert f"error: {field}: " in err and f"at most {MAX_ROWS}" in err
+
+
+def test_plan_row_limit_is_inclusive() -> None:
+    assert plan_module._rows(MAX_ROWS, "rows_kv") == MAX_ROWS
+    with pytest.raises(ValueError, match=r"^rows_kv: expected at most"):
+        plan_module._rows(MAX_ROWS + 1, "rows_kv")
+
+
+def test_plan_refuses_an_empty_mask(capsys: pytest.CaptureFixture) -> None:
+    # Before: "" read as the default padding_causal, exit 0.
+    err = refused(capsys, ["--cu-seqlens-q", "0,0,3", "--cu-seqlens-kv", "0,3,9", "--mask", ""])
+    assert "error: attn_mask_type: expected one of" in err and "got ''" in err
+
+
+@pytest.mark.parametrize("text", ["0,,3", "0,3,", ",0,3", "0;3", "0,3.0", "0 3", ""])
+def test_plan_refuses_offsets_that_are_not_integers(
+    capsys: pytest.CaptureFixture, text: str
+) -> None:
+    # Before: "0,,3" read as [0, 3].
+    err = refused(capsys, ["--cu-seqlens-q", text, "--cu-seqlens-kv", "0,3"])
+    assert "error: cu_seqlens_q: expected comma-separated integers" in err
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("cu_seqlens_q", [0, True]),  # a JSON true is no offset (it is the int 1 in Python)
+        ("cu_seqlens_kv_padded", [False, 6]),
+        ("cu_seqlens_q", [0, 2**31]),
+        ("rows_kv", 3000000000),
+    ],
+)
+def test_plan_file_refuses_bools_and_unrepresentable_values(
+    tmp_path: Path, capsys: pytest.CaptureFixture, field: str, value: Any
+) -> None:
+    assert f"error: {field}: " in refused(capsys, ["--file", plan_file(tmp_path, **{field: value})])
+
+
+@pytest.mark.parametrize(
+    "args, offsets",
+    [
+        (["--cu-seqlens-q", "0,3", "--cu-seqlens-kv", "0,3,9"], ([0, 3], [0, 3, 9], None, None)),
+        (["--cu-seqlens-q", "0,3,1", "--cu-seqlens-kv", "0,3,9"], ([0, 3, 1], [0, 3, 9], None, None)),
+        (["--cu-seqlens-q", "0,5", "--cu-seqlens-kv", "0,3", "--padded-q", "0,4", "--padded-kv",
+          "0,3"], ([0, 5], [0, 3], [0, 4], [0, 3])),
+    ],
+)  # fmt: skip
+def test_plan_refuses_offsets_through_the_post_passs_own_gate(
+    capsys: pytest.CaptureFixture, args: List[str], offsets: Tuple[Any, ...]
+) -> None:
+    """plan's offset errors are the gate's (``te_gqa_fix.validation``), word for word."""
+    t = [None if o is None else torch.tensor(o, dtype=torch.int32) for o in offsets]
+    rows = [max(o[-1], 0) for o in (offsets[2] or offsets[0], offsets[3] or offsets[1])]
+    with pytest.raises(ValueError) as gate:
+        validation.check_offsets(*t, rows_q=rows[0], rows_kv=rows[1])
+        validation.check_values(*rows, *t)
+    assert refused(capsys, args) == f"te-gqa-fix plan: error: {gate.value}\n"
+
+
 @st.composite
 def batches(draw: st.DrawFn) -> PlanInput:
     n = draw(st.integers(0, 5))
@@ -372,57 +484,37 @@ def test_decode_cudnn_version(encoded: int, expected: Tuple[int, int, int]) -> N
 
 
 @pytest.mark.parametrize(
-    "capability, cudnn, head_dim, status",
+    "verdict_status, live, fix_active, fallback, status, code",
     [
-        ((9, 0), (9, 14, 0), None, "affected"),
-        ((9, 0), (9, 14, 0), 128, "affected"),
-        ((9, 0), (9, 14, 0), 192, "unrepairable"),
-        ((9, 0), (9, 14, 0), 256, "unrepairable"),
-        ((9, 0), (9, 17, 9), 64, "affected"),
-        ((9, 0), (9, 18, 0), None, "not_affected"),
-        ((9, 0), (9, 19, 0), 256, "not_affected"),
-        ((9, 0), (8, 9, 7), None, "affected"),
-        ((8, 0), (9, 14, 0), 256, "not_affected"),
-        ((10, 0), (9, 10, 0), None, "not_affected"),
-        (None, (9, 14, 0), None, "unknown"),
-        ((9, 0), None, None, "unknown"),
-    ],
-)
-def test_verdict_table(
-    capability: Optional[Tuple[int, int]],
-    cudnn: Optional[Tuple[int, int, int]],
-    head_dim: Optional[int],
-    status: str,
-) -> None:
-    v = affected.verdict(capability, cudnn, head_dim)
-    assert v.status == status
-    assert v.reasons
-
-
-@pytest.mark.parametrize(
-    "verdict_status, live, fix_active, status, code",
-    [
-        ("not_affected", None, False, "healthy", 0),
-        ("affected", None, False, "affected", 1),
-        ("affected", None, True, "healthy", 0),
-        ("unrepairable", None, True, "unrepairable", 4),
-        ("unknown", None, False, "cannot_check", 3),
-        ("unknown", {"ran": False, "error": "x"}, False, "cannot_check", 3),
+        ("not_affected", None, False, False, "healthy", 0),
+        ("affected", None, False, False, "affected", 1),
+        ("affected", None, True, False, "healthy", 0),
+        ("unrepairable", None, True, False, "unrepairable", 4),
+        ("unrepairable", None, True, True, "healthy", 0),  # the exact fallback covers it
+        ("unrepairable", None, False, True, "affected", 1),  # it would, with the fix on
+        ("unknown", None, False, False, "cannot_check", 3),
+        ("unknown", {"ran": False, "error": "x"}, False, False, "cannot_check", 3),
         # an observation outranks the table of facts
-        ("not_affected", {"ran": True, "bug_observed": True, "fix_ok": True}, False, "affected", 1),
-        ("unknown", {"ran": True, "bug_observed": True, "fix_ok": True}, True, "healthy", 0),
-        ("affected", {"ran": True, "bug_observed": False, "fix_ok": True}, False, "affected", 1),
-        ("affected", {"ran": True, "bug_observed": True, "fix_ok": False}, True, "unrepairable", 4),
+        ("not_affected", {"ran": True, "bug_observed": True, "fix_ok": True}, False, False,
+         "affected", 1),
+        ("unknown", {"ran": True, "bug_observed": True, "fix_ok": True}, True, False, "healthy", 0),
+        ("affected", {"ran": True, "bug_observed": False, "fix_ok": True}, False, False,
+         "affected", 1),
+        ("affected", {"ran": True, "bug_observed": True, "fix_ok": False}, True, False,
+         "unrepairable", 4),
+        ("unrepairable", {"ran": True, "bug_observed": True, "fix_ok": False}, True, True,
+         "unrepairable", 4),
     ],
-)
+)  # fmt: skip
 def test_decide_table(
     verdict_status: str,
     live: Optional[Dict[str, Any]],
     fix_active: bool,
+    fallback: bool,
     status: str,
     code: int,
 ) -> None:
-    assert doctor.decide(verdict_status, live, fix_active)[:2] == (status, code)
+    assert doctor.decide(verdict_status, live, fix_active, fallback)[:2] == (status, code)
 
 
 def _fake_probes(
@@ -431,6 +523,7 @@ def _fake_probes(
     te_cudnn: Optional[str],
     installed: bool = False,
     live: Optional[Dict[str, Any]] = None,
+    fallback_declines: Optional[str] = None,
 ) -> List[str]:
     calls: List[str] = []
     gpu = {"available": capability is not None, "count": 1, "name": "Fake H200"}
@@ -442,6 +535,9 @@ def _fake_probes(
     )
     monkeypatch.setattr(cudnn, "mapped_cudnn_libraries", lambda: [])
     monkeypatch.setattr(cudnn, "find_builds", lambda: [])
+    fallback = importlib.import_module("te_gqa_fix.fallback")
+    monkeypatch.setattr(fallback, "head_dim_reason", lambda d, d_v=None: fallback_declines,
+                        raising=False)  # fmt: skip
 
     def fake_live(large_head_dim: bool = False) -> Dict[str, Any]:
         calls.append("live")
@@ -453,123 +549,184 @@ def _fake_probes(
 
 
 @pytest.mark.parametrize(
-    "capability, te_cudnn, installed, head_dim, code",
+    "te_cudnn, installed, head_dim, guard, declines, code",
     [
-        ([9, 0], "9.14.0", False, None, doctor.EXIT_AFFECTED),
-        ([9, 0], "9.14.0", True, None, doctor.EXIT_HEALTHY),
-        ([9, 0], "9.14.0", True, 256, doctor.EXIT_UNREPAIRABLE),
-        ([9, 0], "9.19.0", False, None, doctor.EXIT_HEALTHY),
+        ("9.14.0", False, None, None, None, doctor.EXIT_AFFECTED),
+        ("9.14.0", True, None, None, None, doctor.EXIT_HEALTHY),
+        ("9.14.0", True, 256, None, None, doctor.EXIT_HEALTHY),  # protected by the fallback
+        ("9.14.0", False, 256, None, None, doctor.EXIT_AFFECTED),
+        ("9.14.0", True, 256, "fallback", "head dim 288", doctor.EXIT_UNREPAIRABLE),
+        ("9.14.0", True, 256, "warn", None, doctor.EXIT_UNREPAIRABLE),
+        ("9.14.0", True, 256, "strict", None, doctor.EXIT_UNREPAIRABLE),
+        ("9.14.0", True, 256, "off", None, doctor.EXIT_UNREPAIRABLE),
+        ("9.14.0", True, 256, "stirct", None, doctor.EXIT_UNREPAIRABLE),  # a typo: no fallback
+        ("9.19.0", False, None, None, None, doctor.EXIT_HEALTHY),
     ],
 )
-def test_collect_wires_facts_live_check_and_fix_state(
+def test_collect_wires_facts_live_check_fallback_and_fix_state(
     monkeypatch: pytest.MonkeyPatch,
-    capability: List[int],
     te_cudnn: str,
     installed: bool,
     head_dim: Optional[int],
+    guard: Optional[str],
+    declines: Optional[str],
     code: int,
 ) -> None:
     live = {"ran": True, "bug_observed": te_cudnn < "9.18", "fix_ok": True}
-    calls = _fake_probes(monkeypatch, capability, te_cudnn, installed, live)
-    report = doctor.collect(live=True, head_dim=head_dim)
-    assert report["exit_code"] == code
+    calls = _fake_probes(monkeypatch, [9, 0], te_cudnn, installed, live, declines)
+    if guard is not None:
+        monkeypatch.setenv("TE_GQA_FIX_GUARD", guard)
+    rep = doctor.collect(live=True, head_dim=head_dim)
+    assert rep["exit_code"] == code
     assert calls == ["live"]
-    assert report["fix"]["installed"] is installed
+    assert rep["fix"]["installed"] is installed
+    protected = head_dim == 256 and guard in (None, "fallback") and declines is None
+    assert rep["verdict"]["fallback"] is protected
     if te_cudnn != "9.19.0":
-        assert any("torch's cuDNN is 9.19.0" in w for w in report["warnings"])
-    text = doctor_text.format_report(report)
+        assert any("torch's cuDNN is 9.19.0" in w for w in rep["warnings"])
+    text = report.format_report(rep)
     assert f"(exit {code})" in text and "cuDNN (TE runs)      " + te_cudnn in text
+    assert ("computes its gradients" in text) is protected
+
+
+def test_doctor_and_plan_say_what_the_fallback_covers(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    lines = ("exact: one covered configuration", "declined: one that is not")
+    fallback = importlib.import_module("te_gqa_fix.fallback")
+    monkeypatch.setattr(fallback, "coverage", lambda: lines)
+    _fake_probes(monkeypatch, [9, 0], "9.14.0")
+    rep = doctor.collect(live=False)
+    assert rep["fallback"] == list(lines)
+    text = report.format_report(rep)
+    assert "exact fallback (TE_GQA_FIX_GUARD=fallback):\n  exact: one covered configuration\n" \
+        "  declined: one that is not" in text  # fmt: skip
+    assert main(["plan", *SEED_ARGS]) == 0
+    assert (
+        "  exact: one covered configuration\n  declined: one that is not" in capsys.readouterr().out
+    )
+    assert main(["plan", *SEED_ARGS, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fallback"] == list(lines)
 
 
 def test_collect_skips_the_live_check_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _fake_probes(monkeypatch, [9, 0], "9.14.0")
-    report = doctor.collect(live=False)
+    rep = doctor.collect(live=False)
     assert calls == []
-    assert report["live_check"] == {"ran": False, "skipped": "--no-live"}
-    assert report["exit_code"] == doctor.EXIT_AFFECTED
+    assert rep["live_check"] == {"ran": False, "skipped": "--no-live"}
+    assert rep["exit_code"] == doctor.EXIT_AFFECTED
 
 
-# ------------------------------------------------------------------- doctor: subprocesses
+def test_doctor_lists_every_setting_with_its_value(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    _fake_probes(monkeypatch, [9, 0], "9.14.0")
+    monkeypatch.setenv("TE_GQA_FIX", "ALWAYS")
+    assert main(["doctor", "--json", "--no-live"]) == doctor.EXIT_AFFECTED
+    listed = json.loads(capsys.readouterr().out)["settings"]
+    assert list(listed) == list(SETTINGS)
+    assert listed["TE_GQA_FIX"] == {**listed["TE_GQA_FIX"], "raw": "ALWAYS", "value": "always"}
+    assert listed["TE_GQA_FIX_GUARD"]["value"] == "fallback"  # the default, unset
+    assert all(s["error"] is None and s["help"] for s in listed.values())
+    assert main(["doctor", "--no-live"]) == doctor.EXIT_AFFECTED
+    text = capsys.readouterr().out
+    assert "  TE_GQA_FIX           always  ('ALWAYS')\n" in text
+    assert "  TE_GQA_FIX_GUARD     fallback  (unset)\n" in text
+
+
+@pytest.mark.parametrize(
+    "name, value, choice",
+    [
+        ("TE_GQA_FIX_GUARD", "stirct", "'strict'"),
+        ("TE_GQA_FIX_GUARD", "raise", "'fallback'"),
+        ("TE_GQA_FIX_VALIDATE", "2", "'on'"),
+        ("TE_GQA_FIX_AUTOPATCH", "none", "'off'"),
+        ("TE_GQA_FIX_CUDNN", "atuo", "'auto'"),
+    ],
+)
+def test_a_mistyped_setting_is_a_named_error_and_doctor_shows_it(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str, choice: str
+) -> None:
+    # Before: stirct/raise meant warn, 2 meant off, none meant on, atuo was a folder.
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SettingError) as err:
+        get_setting(name)
+    message = str(err.value)
+    assert f"{name}={value!r} is not an accepted value" in message and choice in message
+    _fake_probes(monkeypatch, [9, 0], "9.14.0")
+    rep = doctor.collect(live=False)
+    assert rep["settings"][name] == {**rep["settings"][name], "value": None, "error": message}
+    assert message in rep["warnings"]
+    text = report.format_report(rep)
+    assert f"  {name:<20} ERROR: {message}" in text and f"  ! {message}" in text
+
+
+# ----------------------------------------------------------- doctor: with a fake TE, or none
+
+
+@pytest.fixture
+def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch sees no CUDA device, even on a GPU machine."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
 
 REPORT_KEYS = {
     "te_gqa_fix", "python", "torch", "gpu", "transformer_engine", "cudnn_libraries",
-    "warnings", "fix", "verdict", "live_check", "unchecked", "status", "exit_code", "advice",
-    "exit_codes",
+    "warnings", "fix", "settings", "verdict", "live_check", "unchecked", "status", "exit_code",
+    "advice", "exit_codes",
 }  # fmt: skip
 
 
-def _run_module(args: List[str], pythonpath: List[str], env: Optional[Dict[str, str]] = None):
-    full = {k: v for k, v in os.environ.items() if not k.startswith("TE_GQA_FIX")}
-    full["PYTHONPATH"] = os.pathsep.join(
-        [*pythonpath, str(SRC)] + ([full["PYTHONPATH"]] if full.get("PYTHONPATH") else [])
-    )
-    full["CUDA_VISIBLE_DEVICES"] = ""  # no GPU, even on a GPU machine
-    full.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "te_gqa_fix", *args],
-        env=full,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
-def test_doctor_without_gpu_or_te_says_what_it_could_not_check(tmp_path: Path) -> None:
+def test_doctor_without_gpu_or_te_says_what_it_could_not_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, no_gpu: None
+) -> None:
     # A transformer_engine that cannot be imported shadows any real one.
-    blocked = tmp_path / "blocked" / "transformer_engine"
-    blocked.mkdir(parents=True)
+    blocked = tmp_path / "transformer_engine"
+    blocked.mkdir()
     (blocked / "__init__.py").write_text("raise ImportError('blocked for this test')\n")
-    proc = _run_module(["doctor", "--json"], [str(blocked.parent)])
-    assert proc.returncode == doctor.EXIT_CANNOT_CHECK, proc.stderr
-    report = json.loads(proc.stdout)
-    assert REPORT_KEYS <= set(report)
-    assert report["status"] == "cannot_check"
-    assert report["exit_code"] == doctor.EXIT_CANNOT_CHECK
-    assert report["gpu"]["available"] is False
-    assert report["transformer_engine"]["imported"] is False
-    assert report["verdict"]["status"] == "unknown"
-    assert report["live_check"]["ran"] is False
-    unchecked = " ".join(report["unchecked"])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in te_package.loaded_fake_modules():
+        monkeypatch.delitem(sys.modules, name)
+    assert main(["doctor", "--json"]) == doctor.EXIT_CANNOT_CHECK
+    rep = json.loads(capsys.readouterr().out)
+    assert REPORT_KEYS <= set(rep)
+    assert rep["status"] == "cannot_check"
+    assert rep["exit_code"] == doctor.EXIT_CANNOT_CHECK
+    assert rep["gpu"]["available"] is False
+    assert rep["transformer_engine"]["imported"] is False
+    assert "blocked for this test" in rep["transformer_engine"]["error"]
+    assert rep["verdict"]["status"] == "unknown"
+    assert rep["live_check"]["ran"] is False
+    unchecked = " ".join(rep["unchecked"])
     assert "GPU" in unchecked and "Transformer Engine" in unchecked and "live check" in unchecked
-    text = _run_module(["doctor"], [str(blocked.parent)])
-    assert text.returncode == doctor.EXIT_CANNOT_CHECK
-    assert "could not check:" in text.stdout and "status: cannot_check (exit 3)" in text.stdout
+    assert main(["doctor"]) == doctor.EXIT_CANNOT_CHECK
+    text = capsys.readouterr().out
+    assert "could not check:" in text and "status: cannot_check (exit 3)" in text
 
 
-_LIVE = (
-    "import json; from te_gqa_fix.doctor import live_check; "
-    "print('LIVE' + json.dumps(live_check(device='cpu', poison_numel=1024)))"
-)
+@pytest.fixture
+def cpu_te(fake_te: Path):
+    """Rewrites the fake TE so that its fused attention runs on CPU: the forward returns
+    zeros, the backward the exact gradients (the fp32 reference), plus stale values in the
+    dK/dV rows no query reaches (``affected``), or also wrong live rows (``broken``), or none
+    (``healthy``); ``sig`` picks TE 2.20's or TE 2.8's signature."""
+
+    def write(bug: str = "affected", sig: str = "2.20") -> Path:
+        return te_package.write_fake_te(
+            fake_te, signature=sig, kernel="reference", bug=bug, consumers=False
+        )
+
+    return write
 
 
-def write_fake_cpu_te(root: Path, bug: str = "affected", sig: str = "2.20") -> Path:
-    """The fake TE whose fused attention runs on CPU: forward returns zeros, backward the
-    exact gradients (the fp32 reference), plus stale values in the dK/dV rows no query
-    reaches (``affected``), or also wrong live rows (``broken``), or none (``healthy``);
-    ``sig`` picks TE 2.20's or TE 2.8's signature."""
-    return te_package.write_fake_te(
-        root, signature=sig, kernel="reference", bug=bug, consumers=False
-    )
-
-
-def _live(tmp_path: Path, mode: str, sig: str) -> Dict[str, Any]:
-    fake = write_fake_cpu_te(tmp_path / "fake_cpu_te", mode, sig)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TE_GQA_FIX")}
-    env.update(
-        PYTHONPATH=os.pathsep.join([*te_package.pythonpath(fake, SRC), env.get("PYTHONPATH", "")]),
-        CUDA_VISIBLE_DEVICES="",
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", _LIVE], env=env, capture_output=True, text=True, timeout=300
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("LIVE")]
-    assert proc.returncode == 0 and lines, proc.stdout + proc.stderr
-    return json.loads(lines[0][4:])
+def _live(cpu_te, mode: str, sig: str) -> Dict[str, Any]:
+    cpu_te(mode, sig)
+    return doctor.live_check(device="cpu", poison_numel=1024)
 
 
 @pytest.mark.parametrize("sig", ["2.20", "2.8"])
-def test_live_check_sees_the_bug_and_the_fix(tmp_path: Path, sig: str) -> None:
-    out = _live(tmp_path, "affected", sig)
+def test_live_check_sees_the_bug_and_the_fix(cpu_te, sig: str) -> None:
+    out = _live(cpu_te, "affected", sig)
     assert out.get("error") is None and out["ran"] is True
     assert out["unpatched"]["max_abs_dk_rows_0_3"] == 2000.0  # 1000 x group 2
     assert out["unpatched"]["max_abs_dv_rows_0_3"] == 2000.0
@@ -579,14 +736,14 @@ def test_live_check_sees_the_bug_and_the_fix(tmp_path: Path, sig: str) -> None:
     assert out["bug_observed"] is True and out["fix_ok"] is True
 
 
-def test_live_check_on_a_clean_stack(tmp_path: Path) -> None:
-    out = _live(tmp_path, "healthy", "2.20")
+def test_live_check_on_a_clean_stack(cpu_te) -> None:
+    out = _live(cpu_te, "healthy", "2.20")
     assert out["bug_observed"] is False and out["fix_ok"] is True
     assert out["unpatched"]["max_abs_dk_rows_0_3"] == 0.0
 
 
-def test_live_check_reports_damage_the_fix_cannot_repair(tmp_path: Path) -> None:
-    out = _live(tmp_path, "broken", "2.20")
+def test_live_check_reports_damage_the_fix_cannot_repair(cpu_te) -> None:
+    out = _live(cpu_te, "broken", "2.20")
     assert out["bug_observed"] is True
     assert out["patched"]["rows_0_3_zero"] is True
     assert out["patched"]["max_err_live_rows"] >= 0.5
@@ -594,23 +751,41 @@ def test_live_check_reports_damage_the_fix_cannot_repair(tmp_path: Path) -> None
     assert doctor.decide("affected", out, True)[1] == doctor.EXIT_UNREPAIRABLE
 
 
-def test_doctor_with_an_importable_te_but_no_gpu(tmp_path: Path) -> None:
-    fake = write_fake_cpu_te(tmp_path / "fake_cpu_te")
-    proc = _run_module(["doctor", "--json"], te_package.pythonpath(fake))
-    assert proc.returncode == doctor.EXIT_CANNOT_CHECK, proc.stderr
-    report = json.loads(proc.stdout)
-    te = report["transformer_engine"]
+def test_doctor_with_an_importable_te_but_no_gpu(
+    cpu_te, capsys: pytest.CaptureFixture, no_gpu: None
+) -> None:
+    cpu_te()
+    assert main(["doctor", "--json"]) == doctor.EXIT_CANNOT_CHECK
+    rep = json.loads(capsys.readouterr().out)
+    te = rep["transformer_engine"]
     assert te["imported"] is True and te["cudnn"] == "9.14.0"
-    assert report["verdict"]["status"] == "unknown"  # no compute capability without a GPU
-    assert report["live_check"]["ran"] is False
+    assert rep["verdict"]["status"] == "unknown"  # no compute capability without a GPU
+    assert rep["live_check"]["ran"] is False
 
 
-def test_module_entry_point_and_version() -> None:
-    proc = _run_module(["--version"], [])
-    assert proc.returncode == 0 and proc.stdout.strip().startswith("te-gqa-fix ")
-    proc = _run_module(["plan", *SEED_ARGS, "--json"], [])
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["dkv"]["zeroed_rows"] == [0, 1, 2, 3, 7, 8, 9, 10, 11]
+def test_module_entry_point_and_version(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.startswith("te-gqa-fix ")
+    monkeypatch.setattr(sys, "argv", ["te_gqa_fix", "plan", *SEED_ARGS, "--json"])
+    with pytest.raises(SystemExit) as exc:  # python -m te_gqa_fix
+        runpy.run_module("te_gqa_fix", run_name="__main__")
+    assert exc.value.code == 0
+    assert json.loads(capsys.readouterr().out)["dkv"]["zeroed_rows"] == [
+        0,
+        1,
+        2,
+        3,
+        7,
+        8,
+        9,
+        10,
+        11,
+    ]
+    scripts = importlib.metadata.entry_points().select(group="console_scripts", name="te-gqa-fix")
+    assert all(ep.load() is main for ep in scripts)  # installed: te-gqa-fix is this main
 
 
 # ----------------------------------------------------------------------------- cuDNN route
@@ -629,17 +804,17 @@ def test_doctor_names_the_switch_to_an_unused_fixed_build(
 ) -> None:
     _fake_probes(monkeypatch, [9, 0], "9.14.0")
     _builds(monkeypatch, "/usr/lib/x86_64-linux-gnu")
-    report = doctor.collect(live=False)
-    assert report["exit_code"] == doctor.EXIT_AFFECTED
-    assert report["cudnn_route"]["switch"].startswith("TE_GQA_FIX_CUDNN=auto")
-    assert "/venv/site-packages/nvidia/cudnn/lib" in report["cudnn_route"]["switch"]
-    assert report["advice"].startswith("set TE_GQA_FIX_CUDNN=auto")
-    runs = {b["version"]: b["te_runs"] for b in report["cudnn_builds"]}
+    rep = doctor.collect(live=False)
+    assert rep["exit_code"] == doctor.EXIT_AFFECTED
+    assert rep["cudnn_route"]["switch"].startswith("TE_GQA_FIX_CUDNN=auto")
+    assert "/venv/site-packages/nvidia/cudnn/lib" in rep["cudnn_route"]["switch"]
+    assert rep["advice"].startswith("set TE_GQA_FIX_CUDNN=auto")
+    runs = {b["version"]: b["te_runs"] for b in rep["cudnn_builds"]}
     assert runs == {"9.19.0": False, "9.14.0": True}
-    text = doctor_text.format_report(report)
+    text = report.format_report(rep)
     assert "switch to fixed cuDNN TE_GQA_FIX_CUDNN=auto" in text
     assert "9.19.0    /venv/site-packages/nvidia/cudnn/lib  (wheel, fixed)" in text
-    assert "runs on THD backward calls" in report["post_pass"]
+    assert "runs on THD backward calls" in rep["post_pass"]
 
 
 def test_doctor_on_the_route_is_healthy_even_for_head_dim_256(
@@ -663,11 +838,11 @@ def test_doctor_on_the_route_is_healthy_even_for_head_dim_256(
                  "chosen_version": "9.19.0", "loaded": ["x"], "verified": True,
                  "te_cudnn": "9.19.0", "error": None},
     )  # fmt: skip
-    report = doctor.collect(live=True, head_dim=256)
+    rep = doctor.collect(live=True, head_dim=256)
     assert calls == []  # the replaced live check ran instead
     assert seen == {"large": True}
-    assert report["exit_code"] == doctor.EXIT_HEALTHY
-    assert report["cudnn_route"]["switch"] is None
-    assert report["warnings"] == [] and report["notes"]
-    assert report["post_pass"].startswith("pass-through")
-    assert "TE_GQA_FIX_CUDNN     auto: loaded cuDNN 9.19.0" in doctor_text.format_report(report)
+    assert rep["exit_code"] == doctor.EXIT_HEALTHY
+    assert rep["cudnn_route"]["switch"] is None
+    assert rep["warnings"] == [] and rep["notes"]
+    assert rep["post_pass"].startswith("pass-through")
+    assert "cuDNN route          auto: loaded cuDNN 9.19.0" in report.format_report(rep)

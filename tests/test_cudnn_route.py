@@ -1,14 +1,16 @@
-"""The cuDNN route (TE_GQA_FIX_CUDNN, ``te_gqa_fix.use_fixed_cudnn``) and the runtime guard.
+"""The cuDNN route (TE_GQA_FIX_CUDNN, ``te_gqa_fix.use_fixed_cudnn``) and the affected rule.
 
 The route's claim is about the dynamic loader: the first ``RTLD_GLOBAL`` copy of a symbol
 wins, so a fixed cuDNN loaded before TE makes TE run it even though TE later loads the
 system copy by path. These tests build real shared libraries that answer
-``cudnnGetVersion`` (tests/fakes/cudnn_builds.py) and load them in fresh interpreters, with
-a fake TE that loads its "system" cuDNN the way TE's loader does.
+``cudnnGetVersion`` (tests/fakes/cudnn_builds.py) and load them in fresh interpreters (a
+library once loaded stays loaded), with a torch-free fake TE that loads its "system" cuDNN
+the way TE's loader does.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -20,8 +22,8 @@ from typing import Dict, Optional, Tuple
 import pytest
 
 from fakes import cudnn_builds as fb
-from fakes import te_package
-from te_gqa_fix import affected, cudnn, guard
+from te_gqa_fix import affected, cudnn
+from te_gqa_fix.settings import SettingError
 from te_gqa_fix.stack import RuntimeFacts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,10 +36,8 @@ needs_cc = pytest.mark.skipif(fb.compiler() is None, reason="needs a C compiler"
 @pytest.fixture(autouse=True)
 def _fresh_route():
     cudnn._reset_route()
-    guard.reset_guard()
     yield
     cudnn._reset_route()
-    guard.reset_guard()
 
 
 @pytest.fixture(scope="module")
@@ -134,18 +134,31 @@ def test_a_folder_without_cudnn_is_refused(tmp_path: Path) -> None:
         ("0", (None, False)),
         ("auto", ("auto", False)),
         (" AUTO ", ("auto", False)),
+        ("1", ("auto", False)),
         ("strict", ("auto", True)),
         ("/opt/cudnn", ("/opt/cudnn", False)),
         ("strict:/opt/cudnn", ("/opt/cudnn", True)),
+        ("./cudnn", ("./cudnn", False)),
     ],
 )
 def test_parse_setting(value: Optional[str], expected: Tuple[Optional[str], bool]) -> None:
     assert cudnn.parse_setting(value) == expected
 
 
-@pytest.mark.parametrize("major", [12, 13])
-def test_pip_hint_matches_the_cuda_major(major: int) -> None:
-    assert cudnn.pip_hint(major) == f"pip install 'nvidia-cudnn-cu{major}>=9.18'"
+@pytest.mark.parametrize("value", ["atuo", "stirct", "cudnn", "strict:"])
+def test_parse_setting_refuses_a_typo_naming_variable_value_and_choices(value: str) -> None:
+    # Before: any unknown word was a folder, failing later as a missing cuDNN (or, in the
+    # start-up hook, a warning); "atuo" must never be read as a path.
+    with pytest.raises(SettingError) as err:
+        cudnn.parse_setting(value)
+    text = str(err.value)
+    assert f"TE_GQA_FIX_CUDNN={value!r}" in text and "'auto'" in text and "a folder" in text
+
+
+def test_pip_hint_names_both_cuda_wheels() -> None:
+    hint = cudnn.pip_hint()
+    assert hint.startswith("pip install ")
+    assert "'nvidia-cudnn-cu12>=9.18'" in hint and "'nvidia-cudnn-cu13>=9.18'" in hint
 
 
 # ----------------------------------------------------------------------------- loading
@@ -216,13 +229,13 @@ def test_refuses_once_a_cudnn_is_loaded(builds: Dict[str, Path], tmp_path: Path)
 
 
 def _hook_env(builds: Dict[str, Path], tmp_path: Path, **env: str) -> Dict[str, str]:
-    fake = te_package.write_fake_te(tmp_path / "fake_te", cudnn_version=None)
+    fake = fb.loader_te(tmp_path / "fake_te")
     site_dir = tmp_path / "site_dir"
     site_dir.mkdir(exist_ok=True)
     shutil.copy(PTH, site_dir / PTH.name)
     return {
         # the fixed wheel build is on sys.path, as an environment's site-packages is
-        "PYTHONPATH_FIRST": os.pathsep.join([*te_package.pythonpath(fake), str(builds["fixed"])]),
+        "PYTHONPATH_FIRST": os.pathsep.join([str(fake), str(builds["fixed"])]),
         "FAKE_TE_SYSTEM_CUDNN": str(builds["system"] / "lib" / "libcudnn.so.9"),
         "SITE_DIR": str(site_dir),
         **env,
@@ -233,7 +246,7 @@ PROBE = (
     "import os, site, sys, json, logging\n"
     "logging.basicConfig(level=logging.INFO, format='LOG %(levelname)s %(message)s', stream=sys.stdout)\n"
     "site.addsitedir(os.environ['SITE_DIR'])\n"
-    "early = {m: m in sys.modules for m in ('_te_gqa_fix_autopatch', 'te_gqa_fix', "
+    "early = {m: m in sys.modules for m in ('_te_gqa_fix_autopatch', 'te_gqa_fix.settings', "
     "'te_gqa_fix.cudnn', 'torch')}\n"
     "def mapped():\n"
     "    return sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libcudnn.so' in l})\n"
@@ -253,8 +266,6 @@ PROBE = (
 
 
 def probe(proc: subprocess.CompletedProcess) -> dict:
-    import json
-
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE")]
     assert proc.returncode == 0 and len(lines) == 1, proc.stdout + proc.stderr
     return json.loads(lines[0][len("PROBE") :])
@@ -274,6 +285,23 @@ def test_off_imports_nothing_and_loads_nothing(
 
 
 @needs_cc
+def test_a_mistyped_value_is_an_error_and_the_route_stays_off(
+    builds: Dict[str, Path], tmp_path: Path
+) -> None:
+    """``atuo`` is logged at ERROR naming variable, value and choices; nothing is loaded
+    and the program (which may never use TE) runs on with TE's own cuDNN."""
+    env = _hook_env(builds, tmp_path, **{cudnn.ENV_CUDNN: "atuo"})
+    proc = run_python(PROBE, env, tmp_path)
+    out = probe(proc)
+    assert "LOG ERROR te_gqa_fix: TE_GQA_FIX_CUDNN='atuo' is not an accepted value" in proc.stdout
+    assert "'auto'" in proc.stdout and "'strict'" in proc.stdout
+    assert out["early"]["torch"] is False and out["early"]["te_gqa_fix.cudnn"] is False
+    assert out["route"] is None
+    assert out["te"] == [9, 14, 0]
+    assert all("site_fixed" not in p for p in out["maps"])
+
+
+@needs_cc
 @pytest.mark.parametrize("value", ["auto", "strict"])
 def test_auto_loads_the_fixed_build_before_te_and_te_runs_it(
     builds: Dict[str, Path], tmp_path: Path, value: str
@@ -281,10 +309,10 @@ def test_auto_loads_the_fixed_build_before_te_and_te_runs_it(
     env = _hook_env(builds, tmp_path, **{cudnn.ENV_CUDNN: value})
     proc = run_python(PROBE, env, tmp_path)
     out = probe(proc)
-    # At start-up only the stdlib hook is imported, nothing is loaded yet.
+    # At start-up only the stdlib hook and the settings are imported, nothing is loaded yet.
     assert out["early"] == {
         "_te_gqa_fix_autopatch": True,
-        "te_gqa_fix": False,
+        "te_gqa_fix.settings": True,
         "te_gqa_fix.cudnn": False,
         "torch": False,
     }
@@ -322,9 +350,7 @@ def test_auto_with_no_fixed_build_logs_or_fails(
     builds: Dict[str, Path], tmp_path: Path, strict: bool
 ) -> None:
     env = _hook_env(builds, tmp_path, **{cudnn.ENV_CUDNN: "strict" if strict else "auto"})
-    env["PYTHONPATH_FIRST"] = os.pathsep.join(
-        [*te_package.pythonpath(tmp_path / "fake_te"), str(builds["old"])]
-    )
+    env["PYTHONPATH_FIRST"] = os.pathsep.join([str(tmp_path / "fake_te"), str(builds["old"])])
     proc = run_python(PROBE, env, tmp_path)
     out = probe(proc)
     if strict:
@@ -341,6 +367,7 @@ def test_auto_with_no_fixed_build_logs_or_fails(
 @pytest.mark.parametrize(
     "capability, cudnn_v, dims, status",
     [
+        ((9, 0), (9, 14, 0), (None, None), "affected"),
         ((9, 0), (9, 14, 0), (128, 128), "affected"),
         ((9, 0), (9, 14, 0), (64, 64), "affected"),
         ((9, 0), (9, 14, 0), (192, 128), "affected"),  # MLA: measured clean on 9.14
@@ -348,26 +375,32 @@ def test_auto_with_no_fixed_build_logs_or_fails(
         ((9, 0), (9, 14, 0), (256, 256), "unrepairable"),
         ((9, 0), (9, 14, 0), (256, 128), "unrepairable"),  # not measured: not vouched for
         ((9, 0), (9, 14, 0), (128, 256), "unrepairable"),
+        ((9, 0), (9, 17, 9), (64, 64), "affected"),
+        ((9, 0), (8, 9, 7), (None, None), "affected"),
+        ((9, 0), (9, 18, 0), (None, None), "not_affected"),
         ((9, 0), (9, 18, 0), (256, 256), "not_affected"),
         ((9, 0), (9, 19, 0), (256, 256), "not_affected"),
         ((8, 0), (9, 14, 0), (256, 256), "not_affected"),
         ((10, 0), (9, 14, 0), (256, 256), "not_affected"),
+        ((10, 0), (9, 10, 0), (None, None), "not_affected"),
         (None, (9, 14, 0), (256, 256), "unknown"),
         ((9, 0), None, (256, 256), "unknown"),
+        ((9, 0), None, (None, None), "unknown"),
     ],
 )
 def test_rule_table(capability, cudnn_v, dims, status) -> None:
-    assert affected.verdict(capability, cudnn_v, *dims).status == status
+    v = affected.verdict(capability, cudnn_v, *dims)
+    assert v.status == status and v.reasons
 
 
 def _facts(monkeypatch: pytest.MonkeyPatch, capability, cudnn_v) -> None:
     monkeypatch.setattr(
-        guard, "runtime_facts", lambda index=None: RuntimeFacts(capability, cudnn_v)
+        affected, "runtime_facts", lambda index=None: RuntimeFacts(capability, cudnn_v)
     )
 
 
 @pytest.mark.parametrize(
-    "capability, cudnn_v, dims, warns",
+    "capability, cudnn_v, dims, wrong",
     [
         ((9, 0), (9, 14, 0), (256, 256), True),
         ((9, 0), (9, 14, 0), (192, 192), True),
@@ -379,54 +412,25 @@ def _facts(monkeypatch: pytest.MonkeyPatch, capability, cudnn_v) -> None:
         ((9, 0), None, (256, 256), False),
     ],
 )
-def test_guard_warns_once_per_configuration(
-    monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
-    capability,
-    cudnn_v,
-    dims,
-    warns: bool,
+def test_unrepairable_names_the_configuration_and_the_remedy(
+    monkeypatch: pytest.MonkeyPatch, capability, cudnn_v, dims, wrong: bool
 ) -> None:
     _facts(monkeypatch, capability, cudnn_v)
-    monkeypatch.setattr(cudnn, "find_wheel_builds", lambda search_path=None: [])
-    with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
-        for _ in range(3):
-            guard.check_head_dims(0, *dims)
-    hits = [r for r in caplog.records if "cannot repair" in r.getMessage()]
-    assert len(hits) == (1 if warns else 0)
-    if warns:
-        msg = hits[0].getMessage()
+    monkeypatch.setattr(affected, "find_wheel_builds", lambda search_path=None: [])
+    msg = affected.unrepairable(0, *dims)
+    assert (msg is not None) is wrong
+    if wrong:
         assert f"head dim {dims[0]}" in msg and "cuDNN 9.14.0" in msg and "sm90" in msg
         assert "pip install 'nvidia-cudnn-cu" in msg
 
 
-def test_guard_strict_raises_on_every_call_and_off_is_silent(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    _facts(monkeypatch, (9, 0), (9, 14, 0))
-    monkeypatch.setattr(cudnn, "find_wheel_builds", lambda search_path=None: [])
-    monkeypatch.setenv(guard.ENV_GUARD, "strict")
-    for _ in range(2):
-        with pytest.raises(guard.UnrepairableConfiguration, match="head dim 256"):
-            guard.check_head_dims(0, 256, 256)
-    guard.check_head_dims(0, 128, 128)  # repairable: no error
-    monkeypatch.setenv(guard.ENV_GUARD, "off")
-    with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
-        guard.check_head_dims(0, 256, 256)
-    assert not caplog.records
-
-
-def test_guard_remedy_names_the_installed_fixed_build(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_remedy_names_the_installed_fixed_build(monkeypatch: pytest.MonkeyPatch) -> None:
     _facts(monkeypatch, (9, 0), (9, 14, 0))
     build = cudnn.CudnnBuild("/env/site-packages/nvidia/cudnn/lib", (9, 19, 0), "wheel", "header")
-    monkeypatch.setattr(cudnn, "find_wheel_builds", lambda search_path=None: [build])
-    with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
-        guard.check_head_dims(0, 256, 256)
-    (record,) = caplog.records
-    assert "TE_GQA_FIX_CUDNN=auto" in record.getMessage()
-    assert "cuDNN 9.19.0 is installed at /env/site-packages/nvidia/cudnn/lib" in record.getMessage()
+    monkeypatch.setattr(affected, "find_wheel_builds", lambda search_path=None: [build])
+    msg = affected.unrepairable(0, 256, 256)
+    assert msg is not None and "TE_GQA_FIX_CUDNN=auto" in msg
+    assert "cuDNN 9.19.0 is installed at /env/site-packages/nvidia/cudnn/lib" in msg
 
 
 @pytest.mark.parametrize(
@@ -434,7 +438,7 @@ def test_guard_remedy_names_the_installed_fixed_build(
 )
 def test_cudnn_fixed_decision(monkeypatch: pytest.MonkeyPatch, cudnn_v, fixed: bool) -> None:
     _facts(monkeypatch, (9, 0), cudnn_v)
-    assert guard.cudnn_fixed(0) is fixed
+    assert affected.cudnn_fixed(0) is fixed
 
 
 # ----------------------------------------------------------------------------- edge cases
@@ -446,9 +450,7 @@ def test_strict_failure_stays_a_failure_on_every_import(
 ) -> None:
     """A strict route that failed once must not let a retried import go on silently."""
     env = _hook_env(builds, tmp_path, **{cudnn.ENV_CUDNN: "strict"})
-    env["PYTHONPATH_FIRST"] = os.pathsep.join(
-        [*te_package.pythonpath(tmp_path / "fake_te"), str(builds["old"])]
-    )
+    env["PYTHONPATH_FIRST"] = os.pathsep.join([str(tmp_path / "fake_te"), str(builds["old"])])
     code = (
         "import os, site\nsite.addsitedir(os.environ['SITE_DIR'])\n"
         "for attempt in (1, 2):\n"

@@ -18,6 +18,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import te_gqa_fix
 from fakes.oracle import (
@@ -33,6 +34,7 @@ from fakes.oracle import (
 from te_gqa_fix import postpass as postpass_module
 from te_gqa_fix import zero_dead_rows
 from te_gqa_fix.masks import KNOWN_MASK_TYPES, key_interval, key_span
+from te_gqa_fix.offset_errors import OffsetsError
 from te_gqa_fix.postpass import dead_row_masks
 
 UNKNOWN_MASKS = ("arbitrary", "padding_bottom_right_typo", None)
@@ -407,6 +409,46 @@ def test_oracle_check_fails_when_the_post_pass_does_nothing(monkeypatch) -> None
     te_gqa_fix.zero_dead_rows(dq, dk, dv, cu_q, cu_kv, pad_q, pad_kv, impl="torch")
     with pytest.raises(AssertionError, match="rows that must be 0"):
         assert_rows(checked["dk"], before["dk"], keep_kv, "dk")
+
+
+# ------------------------------------------------------------- no host read (graph safe)
+
+
+_HOST_READS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select",
+               "aten::_unique2", "aten::unique_consecutive")  # fmt: skip
+
+
+class _NoHostRead(TorchDispatchMode):
+    """Fails on an op that reads a tensor value on the host (``.item()``, ``bool(t)``) or
+    whose output shape depends on values (boolean indexing, nonzero): a sync on CUDA, and
+    an error inside CUDA-graph capture."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = func._schema.name
+        bool_index = name == "aten::index" and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]
+        )
+        assert name not in _HOST_READS and not bool_index, f"host read: {func}"
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_torch_post_pass_reads_no_value_on_the_host() -> None:
+    # What lets the PyTorch path run inside CUDA-graph capture: shape-driven device ops only,
+    # impossible offsets included (judged on the device, recorded without a read).
+    with pytest.raises(AssertionError, match="host read"), _NoHostRead():
+        bool(torch.ones(1) > 0)  # the check can fail
+    ragged = make_ragged([(2, 3), (0, 2), (3, 0)], gaps_q=[1, 0, 1], gaps_kv=[1, 1, 0], tail_kv=2)
+    offsets = ragged.tensors()
+    bad = (offsets[0], torch.tensor([0, 3, 1, 5], dtype=torch.int32), *offsets[2:])
+    dq = torch.randn(ragged.rows_q, 2, 2)
+    dk, dv = torch.randn(ragged.rows_kv, 1, 2), torch.randn(ragged.rows_kv, 1, 2)
+    rows = dict(rows_q=ragged.rows_q, rows_kv=ragged.rows_kv)
+    for mask in (*KNOWN_MASK_TYPES, "arbitrary"):
+        with _NoHostRead():
+            zero_dead_rows(dq, dk, dv, *offsets, attn_mask_type=mask, impl="torch")
+            dead_row_masks(*offsets, **rows, attn_mask_type=mask, window_size=(1, 0))
+    with pytest.raises(OffsetsError), _NoHostRead():  # raised from the host word, not a read
+        zero_dead_rows(dq, dk, dv, *bad, impl="torch")
 
 
 # ------------------------------------------------- against a real fp64 attention backward

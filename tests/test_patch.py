@@ -22,7 +22,7 @@ from fakes import te_package
 from fakes.oracle import assert_rows, expected_keep, make_ragged
 from fakes.te_outputs import assert_untouched, call_arguments
 from te_gqa_fix import install, is_installed, patched, uninstall
-from te_gqa_fix.wrapper import is_wrapper
+from te_gqa_fix.wrapper import is_wrapper, wrapper_for
 
 RAGGED = make_ragged(
     [(2, 4), (0, 3), (3, 2)], gaps_q=[1, 0, 1], gaps_kv=[0, 2, 1], lead_kv=1, tail_kv=2
@@ -211,17 +211,20 @@ def test_drop_in_function_uses_installed_te(fake_te: Path) -> None:
     original = mods["fused_attn"].fused_attn_bwd
     out = te_gqa_fix.fused_attn_bwd(**_arguments())  # reaches TE through the wrapper
     _assert_fixed(out)
-    assert te_gqa_fix.fused_attn_bwd.__wrapped__ is original
     # Positional, like TE's own call sites.
-    names = list(_arguments())
     te_package.BACKEND.reset()
     args = _arguments()
     order = list(inspect.signature(original).parameters)
-    assert sorted(order) == sorted(names)
+    assert sorted(order) == sorted(args)
     _assert_fixed(te_gqa_fix.fused_attn_bwd(*[args[n] for n in order]))
-    # And it shares the wrapper install() puts in place (no second wrapper).
+    assert te_gqa_fix.call_counts()["fixed"] == 2
+    # It shares the wrapper install() puts in place: no wrapper of a wrapper, one post-pass.
     install()
-    assert mods["fused_attn"].fused_attn_bwd.__wrapped__ is original
+    assert mods["fused_attn"].fused_attn_bwd is wrapper_for(original)
+    te_package.BACKEND.reset()
+    _assert_fixed(te_gqa_fix.fused_attn_bwd(**_arguments()))
+    assert te_gqa_fix.call_counts()["calls"] == 3
+    assert te_package.DIRECT_CALLERS == []
 
 
 def test_install_without_symbol_raises_clear_error(
@@ -289,9 +292,11 @@ def test_root_exports_only_the_user_api() -> None:
         ("key_interval", "masks"),
         ("KNOWN_MASK_TYPES", "masks"),
         ("dead_row_masks", "postpass"),
-        ("get_policy", "policy"),
+        ("get", "settings"),
+        ("SettingError", "settings"),
+        ("unrepairable", "affected"),
         ("wrapper_for", "wrapper"),
-        ("is_te_min_version", "te_compat"),
+        ("find_original", "patch"),
     ):
         assert name not in te_gqa_fix.__all__
         assert hasattr(importlib.import_module(f"te_gqa_fix.{module}"), name), name
@@ -299,22 +304,51 @@ def test_root_exports_only_the_user_api() -> None:
         te_gqa_fix.make_wrapper  # noqa: B018  - the uncached constructor is private now
 
 
-def test_package_has_no_import_cycle() -> None:
-    """No module of the package imports one that imports it back (at any depth, counting
-    imports inside functions too)."""
+def _package_imports() -> Dict[str, set]:
+    """Module -> the package modules it imports (dotted, relative to ``te_gqa_fix``; a
+    subpackage's ``__init__`` is the subpackage's name): imports inside functions count
+    too, and importing ``cli.doctor`` from outside ``cli`` imports ``cli`` first."""
     import ast
 
     pkg = Path(te_gqa_fix.__file__).parent
-    mods = {p.stem for p in pkg.glob("*.py")} - {"__init__", "__main__"}
+    paths = {
+        ".".join(p.relative_to(pkg).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in pkg.rglob("*.py")
+    }
+    paths = {name: p for name, p in paths.items() if name not in ("__init__", "__main__")}
+
+    def known(target: str) -> set:
+        parts = target.split(".")
+        return {".".join(parts[:i]) for i in range(1, len(parts) + 1)} & set(paths)
+
     edges: Dict[str, set] = {}
-    for path in pkg.glob("*.py"):
-        deps = set()
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps: set = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                deps |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("te_gqa_fix."):
-                deps.add(node.module.split(".")[1])
-        edges[path.stem] = (deps & mods) - {path.stem}
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package.split(".") if package else []
+                base = base[: len(base) - (node.level - 1)]
+                stem = ".".join([*base, *([node.module] if node.module else [])])
+            elif (node.module or "").startswith("te_gqa_fix."):
+                stem = node.module.partition(".")[2]  # type: ignore[union-attr]
+            else:
+                continue
+            for alias in node.names:
+                deps |= known(f"{stem}.{alias.name}".lstrip(".")) | known(stem)
+        parts = name.split(".")
+        edges[name] = deps - {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+    return edges
+
+
+def test_package_has_no_import_cycle() -> None:
+    """No module of the package imports one that imports it back (at any depth, counting
+    imports inside functions and the ``cli`` subpackage)."""
+    edges = _package_imports()
+    assert {"wrapper", "cli.doctor", "cli"} <= set(edges)
+    assert {"settings", "affected"} <= edges["wrapper"] and "wrapper" in edges["patch"]
 
     def reaches(start: str, goal: str, seen: set) -> bool:
         for nxt in edges.get(start, ()):
@@ -322,5 +356,5 @@ def test_package_has_no_import_cycle() -> None:
                 return True
         return False
 
-    cycles = sorted(m for m in mods if reaches(m, m, {m}))
+    cycles = sorted(m for m in edges if reaches(m, m, {m}))
     assert cycles == [], f"modules on an import cycle: {cycles}"

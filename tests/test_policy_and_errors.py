@@ -1,8 +1,8 @@
-"""The ``TE_GQA_FIX`` policy, bad inputs (each message checked), no host sync, TE absent."""
+"""Settings (each ``TE_GQA_FIX*`` value, typos are errors), bad inputs (each message
+checked), no host sync, TE absent."""
 
 from __future__ import annotations
 
-import logging
 import subprocess
 import sys
 import textwrap
@@ -15,10 +15,9 @@ import te_gqa_fix
 from fakes.oracle import make_ragged
 from fakes.te_outputs import FakeTE, call_arguments
 from te_gqa_fix import postpass as postpass_module
-from te_gqa_fix import te_compat, zero_dead_rows
-from te_gqa_fix import wrapper as wrapper_module
-from te_gqa_fix.policy import get_policy
+from te_gqa_fix import settings, zero_dead_rows
 from te_gqa_fix.postpass import dead_row_masks
+from te_gqa_fix.settings import SettingError
 from te_gqa_fix.wrapper import wrapper_for
 
 I32 = torch.int32
@@ -58,7 +57,7 @@ def _call(args: Dict[str, Any], **kwargs: Any) -> None:
     )
 
 
-# ------------------------------------------------------------------------------ policy
+# ---------------------------------------------------------------------------- settings
 
 
 @pytest.mark.parametrize(
@@ -86,19 +85,58 @@ def test_policy_values(
 ) -> None:
     if value is not None:
         monkeypatch.setenv("TE_GQA_FIX", value)
-    assert get_policy() == expected
+    assert settings.get("TE_GQA_FIX") == expected
 
 
-def test_unknown_policy_falls_back_to_auto_and_warns_once(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+# Issue 26: a typo is an error that names the variable, the value and what is accepted.
+TYPOS = [
+    ("TE_GQA_FIX", "bogus", "'always'"),
+    ("TE_GQA_FIX_GUARD", "stirct", "'strict'"),
+    ("TE_GQA_FIX_GUARD", "raise", "'fallback'"),
+    ("TE_GQA_FIX_VALIDATE", "2", "'on'"),
+    ("TE_GQA_FIX_AUTOPATCH", "none", "'strict'"),
+    ("TE_GQA_FIX_CUDNN", "maybe", "'auto'"),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "accepted"), TYPOS)
+def test_a_mistyped_setting_is_an_error(
+    name: str, value: str, accepted: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("TE_GQA_FIX", "sometimes")
-    with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
-        assert get_policy() == "auto"
-        assert get_policy() == "auto"
-    records = [r for r in caplog.records if "sometimes" in r.getMessage()]
-    assert len(records) == 1 and records[0].levelno == logging.WARNING
-    assert "TE_GQA_FIX" in records[0].getMessage()
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SettingError) as raised:
+        settings.get(name)
+    message = str(raised.value)
+    assert f"{name}={value!r}" in message and accepted in message, message
+    assert isinstance(raised.value, ValueError)
+
+
+def test_unknown_policy_is_an_error_before_te_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 26 (a change on purpose): ``TE_GQA_FIX=bogus`` used to be logged and read as
+    ``auto``; now the call raises, naming the variable, before TE runs."""
+    fake = FakeTE("2.20")
+    wrapped = wrapper_for(fake.fn)
+    monkeypatch.setenv("TE_GQA_FIX", "bogus")
+    for _ in range(2):  # every call, not only the first
+        with pytest.raises(SettingError, match=r"^TE_GQA_FIX='bogus' .*'always'"):
+            wrapped(**call_arguments("2.20", RAGGED))
+    assert fake.backend.calls == []
+    monkeypatch.setenv("TE_GQA_FIX", "always")
+    wrapped(**call_arguments("2.20", RAGGED))
+    assert te_gqa_fix.call_counts()["fixed"] == 1
+
+
+def test_validate_typo_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 26: ``TE_GQA_FIX_VALIDATE=2`` used to mean off; now the post-pass, public or
+    in the wrapper, raises instead of running without the checks asked for."""
+    monkeypatch.setenv("TE_GQA_FIX_VALIDATE", "2")
+    match = r"^TE_GQA_FIX_VALIDATE='2' .*'on'"
+    with pytest.raises(SettingError, match=match):
+        _call(_good())
+    fake = FakeTE("2.20")
+    with pytest.raises(SettingError, match=match):
+        wrapper_for(fake.fn)(**call_arguments("2.20", RAGGED))
+    assert te_gqa_fix.call_counts()["fixed"] == 0
 
 
 def test_policy_is_read_on_every_call(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -156,7 +194,7 @@ def test_offsets_not_a_tensor() -> None:
 
 def test_missing_kv_offsets() -> None:
     with pytest.raises(
-        ValueError, match=r"^cu_seqlens_kv: expected a 1-D torch\.int32 tensor, got None"
+        ValueError, match=r"^cu_seqlens_kv: expected a 1-D torch\.int32 tensor.*got NoneType"
     ):
         _call(_good(cu_seqlens_kv=None))
 
@@ -167,12 +205,18 @@ def test_empty_offsets() -> None:
 
 
 def test_offsets_on_another_device() -> None:
-    # 'meta' tensors stand in for a second device on a CPU-only machine.
-    args = _good(cu_seqlens_kv=_offsets([0, 3, 5, 6], device="meta"))
+    # 'meta' gradients stand in for a second device on a CPU-only machine.
+    meta = {n: torch.zeros(_good()[n].shape, device="meta") for n in ("dq", "dk", "dv")}
     with pytest.raises(
         ValueError,
-        match=r"^cu_seqlens_kv: expected it on the attention tensors' device cpu, got meta",
+        match=r"^cu_seqlens_q: expected it on the attention tensors' device meta, got cpu",
     ):
+        _call(_good(**meta))
+
+
+def test_meta_offsets() -> None:
+    args = _good(cu_seqlens_kv=_offsets([0, 3, 5, 6], device="meta"))
+    with pytest.raises(ValueError, match=r"^cu_seqlens_kv: expected a tensor with data"):
         _call(args)
 
 
@@ -335,7 +379,7 @@ def test_import_does_not_import_transformer_engine() -> None:
         """
         import sys
         import te_gqa_fix
-        import te_gqa_fix.patch, te_gqa_fix.wrapper, te_gqa_fix.postpass, te_gqa_fix.te_compat
+        import te_gqa_fix.patch, te_gqa_fix.wrapper, te_gqa_fix.postpass, te_gqa_fix.affected
         assert callable(te_gqa_fix.fused_attn_bwd) and callable(te_gqa_fix.install)
         assert te_gqa_fix.is_installed() is False
         loaded = sorted(m for m in sys.modules if m.split(".")[0] == "transformer_engine")
@@ -356,7 +400,6 @@ def no_te(monkeypatch: pytest.MonkeyPatch) -> None:
         if name.split(".")[0] in ("transformer_engine", "transformer_engine_torch"):
             monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "transformer_engine", None)
-    monkeypatch.setattr(wrapper_module, "_te_module", None)
     import importlib.metadata as metadata
 
     def not_found(name: str) -> str:
@@ -379,7 +422,6 @@ def test_install_without_te_raises_import_error(no_te: None) -> None:
 
 def test_version_helpers_without_te(no_te: None) -> None:
     assert te_gqa_fix.get_te_version() is None
-    assert te_compat.is_te_min_version("2.8") is False
 
 
 def test_post_pass_works_without_te(no_te: None) -> None:

@@ -1,47 +1,48 @@
-"""The one rule: is THD + GQA attention on this GPU and cuDNN affected, and can the post-pass
-repair it?
-
-Every consumer asks here: ``te-gqa-fix doctor``, the wrapper's pass-through on fixed stacks,
-the runtime guard, the GPU tests, the benchmark and the context-parallel checks. The rule is
-a table of what was measured (H200, TE 2.20.2, cuDNN 9.14 and 9.19, 2026-11-30; see
-``docs/validation.md``), not a guess:
-
-* Hopper (sm90) with cuDNN < 9.18, THD, h_q > h_kv: stale workspace is summed into dK/dV rows
-  of sequences without query tokens. Rows that receive attention are right for head dims
-  (q/k and v) up to 128, so zeroing the dead rows repairs the result exactly: ``affected``.
-* On the same stack, head dim 192 or 256 (q/k and v alike) is wrong on live rows too, MHA and
-  GQA, even with all-zero stale memory: nothing after the call can repair it:
-  ``unrepairable``. The MLA shape (q/k 192, v 128) was measured clean and is repairable.
-  Any other shape above 128 was not measured, so it is reported as unrepairable too: the
-  post-pass cannot vouch for it, a fixed cuDNN can.
-* cuDNN 9.18 and newer initialise the workspace (upstream, TE #2186); 9.19 measured clean:
-  ``not_affected``.
-* Other architectures: the bug is known on Hopper only: ``not_affected``.
-
-Pure functions of plain values: no torch, no TE, nothing imported.
+"""The one rule: is THD + GQA attention affected on this GPU and cuDNN, and can the post-pass
+repair it? A table of measurements (docs/validation.md): Hopper with cuDNN < 9.18 sums stale
+workspace into dK/dV rows of sequences without queries (repairable), and at head dims above
+128 is wrong on live rows too (unrepairable). Decided once per device and head dims.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
-from typing import FrozenSet, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, Optional, Sequence, Tuple
+
+from .cudnn import CUDNN_FIXED, ENV_CUDNN, choose_fixed, find_wheel_builds, pip_hint
+from .stack import runtime_facts
 
 __all__ = [
     "CUDNN_FIXED",
     "HOPPER_MAJOR",
     "MAX_REPAIRABLE_HEAD_DIM",
     "MEASURED_CLEAN_ABOVE_128",
+    "MEASURED_WRONG_ABOVE_128",
+    "UnrepairableConfiguration",
     "Verdict",
+    "cudnn_fixed",
     "cudnn_is_fixed",
     "head_dims_repairable",
+    "remedy",
+    "reset",
+    "unrepairable",
     "verdict",
 ]
 
-CUDNN_FIXED: Tuple[int, int, int] = (9, 18, 0)
 HOPPER_MAJOR = 9  # compute capability 9.x
 MAX_REPAIRABLE_HEAD_DIM = 128
-#: (head dim of q/k, head dim of v) above 128 that were measured clean on an affected cuDNN.
+#: (q/k head dim, v head dim) above 128, measured on cuDNN 9.14 after a poisoned workspace
+#: (tests/gpu/test_head_dim.py): clean on live rows, or wrong there (MHA, GQA and MQA alike).
+#: Any other shape above 128 counts as wrong: the fallback serves it, exact either way.
 MEASURED_CLEAN_ABOVE_128: FrozenSet[Tuple[int, int]] = frozenset({(192, 128)})
+MEASURED_WRONG_ABOVE_128: FrozenSet[Tuple[int, int]] = frozenset(
+    {(160, 160), (192, 192), (224, 224), (256, 256), (256, 128)}
+)
+
+
+def _shapes(dims: FrozenSet[Tuple[int, int]]) -> str:
+    return ", ".join(f"{a}" if a == b else f"{a}/{b}" for a, b in sorted(dims))
 
 
 def _vstr(v: Sequence[int]) -> str:
@@ -114,14 +115,94 @@ def verdict(
             (
                 base,
                 f"head dim {shape} on this cuDNN is wrong on rows that receive attention too "
-                "(measured at 192 and 256: dQ up to 8.6e4, NaN): no post-pass can repair it; "
-                "use cuDNN 9.18 or newer (TE_GQA_FIX_CUDNN=auto loads an installed one)",
+                f"(measured wrong at {_shapes(MEASURED_WRONG_ABOVE_128)}): no post-pass can "
+                "repair it; the exact fallback (TE_GQA_FIX_GUARD=fallback, the default) "
+                "recomputes it with FlashAttention-2, and cuDNN 9.18 or newer fixes it "
+                "(TE_GQA_FIX_CUDNN=auto loads an installed one)",
             ),
         )
     reasons = [base, "te-gqa-fix repairs it exactly (head dims up to 128, and q/k 192 with v 128)"]
     if head_dim is None:
         reasons.append(
-            f"if your model's head dim is above {MAX_REPAIRABLE_HEAD_DIM} (192, 256), this "
-            "cuDNN is broken beyond repair: use 9.18 or newer (pass --head-dim to check)"
+            f"head dims above {MAX_REPAIRABLE_HEAD_DIM} (but q/k 192 with v 128) are wrong on "
+            "live rows here: the exact fallback serves them (pass --head-dim to check)"
         )
     return Verdict("affected", tuple(reasons))
+
+
+# ----------------------------------------------------------------- per process
+
+
+class UnrepairableConfiguration(RuntimeError):
+    """A THD backward whose gradient is wrong on live rows on this cuDNN (strict guard)."""
+
+
+_fixed: Dict[Optional[int], bool] = {}
+#: (device, d_qk, d_v) -> None (repairable) or why not
+_decisions: Dict[Tuple[Optional[int], int, int], Optional[str]] = {}
+_lock = threading.Lock()
+
+
+def cudnn_fixed(device_index: Optional[int]) -> bool:
+    """True when the cuDNN TE runs is known to be fixed (>= 9.18), for this CUDA device.
+
+    False when it is older or unknown (no GPU, TE does not say): then the post-pass runs.
+    """
+    fixed = _fixed.get(device_index)
+    if fixed is None:
+        fixed = cudnn_is_fixed(runtime_facts(device_index).cudnn)
+        _fixed[device_index] = fixed
+    return fixed
+
+
+def remedy() -> str:
+    """How to get a fixed cuDNN here: the setting, where a fixed build is on disk already,
+    or the ``pip install`` that brings one."""
+    try:
+        chosen = choose_fixed(find_wheel_builds())
+    except Exception:  # a broken site folder must not turn a warning into a crash
+        chosen = None
+    if chosen is not None:
+        return (
+            f"set {ENV_CUDNN}=auto in the environment (cuDNN {chosen.version_str} is installed "
+            f"at {chosen.lib_dir} but Transformer Engine does not use it)"
+        )
+    return f"{pip_hint()}, then set {ENV_CUDNN}=auto in the environment"
+
+
+def unrepairable(device_index: Optional[int], d_qk: int, d_v: int) -> Optional[str]:
+    """Why a THD backward at these head dims on this device is wrong beyond any post-pass
+    (a message naming the configuration and the remedy), or None. Cached per key.
+
+    Args:
+        device_index: the CUDA device of the call (None: not CUDA, never unrepairable).
+        d_qk, d_v: the q/k and v head dims.
+
+    Returns:
+        The message, or None when the post-pass makes the result exact (or nothing is wrong).
+    """
+    key = (device_index, d_qk, d_v)
+    try:
+        return _decisions[key]
+    except KeyError:
+        pass
+    facts = runtime_facts(device_index)
+    msg = None
+    if verdict(facts.capability, facts.cudnn, d_qk, d_v).status == "unrepairable":
+        cap = facts.capability or (0, 0)
+        shape = f"{d_qk}" if d_qk == d_v else f"{d_qk} (q/k) / {d_v} (v)"
+        msg = (
+            f"te_gqa_fix: Transformer Engine's THD attention backward with head dim {shape} on "
+            f"sm{cap[0]}{cap[1]} with cuDNN {_vstr(facts.cudnn or ())} returns wrong gradients "
+            f"on rows that receive attention; a post-pass cannot repair this. Remedy: {remedy()}"
+        )
+    with _lock:
+        _decisions[key] = msg
+    return msg
+
+
+def reset() -> None:
+    """Forget every decision (tests; or after the stack changed)."""
+    with _lock:
+        _fixed.clear()
+        _decisions.clear()

@@ -1,18 +1,8 @@
 """Which keys a query can see: TE's mask types and sliding windows, reduced to intervals.
 
-For packed THD input every mask is per sequence. Within sequence ``b`` (``lq`` query
-tokens, ``lk`` key tokens) query ``i`` attends key ``j`` when ``j`` lies in
-``[i + s - left, i + s + right]`` intersected with ``[0, lk)``, where ``s = lk - lq`` for a
-bottom-right aligned diagonal and ``s = 0`` for a top-left one, ``left``/``right`` of -1 mean
-unbounded, and causal masks force ``right = 0``. Consecutive query windows overlap, so the
-keys that *some* query attends form one interval per sequence::
-
-    lo = max(0, s - left)                  (0 when left is unbounded)
-    hi = min(lk, lq + s + right)           (lk when right is unbounded), empty when lq == 0
-
-A key row outside ``[lo, hi)`` receives no attention, so its true dK/dV is exactly 0.
-When the alignment is ambiguous (an explicit ``bottom_right_diagonal`` that contradicts a
-causal mask's name) both alignments are kept, which can only keep more rows, never fewer.
+In a sequence of ``lq`` queries and ``lk`` keys, query ``i`` attends key ``j`` in ``[i + s -
+left, i + s + right] & [0, lk)`` (``s = lk - lq`` bottom-right, 0 top-left; causal: right 0),
+so the attended keys form one interval ``[lo, hi)``: outside it the true dK/dV is exactly 0.
 """
 
 from __future__ import annotations
@@ -53,10 +43,6 @@ class KeySpan:
     window_right: int
     top_left: bool
     bottom_right: bool
-
-    @property
-    def has_window(self) -> bool:
-        return self.window_left >= 0 or self.window_right >= 0
 
 
 CONSERVATIVE = KeySpan(

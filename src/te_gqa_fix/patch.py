@@ -1,27 +1,63 @@
-"""Reroute every TE call site of ``fused_attn_bwd`` through the wrapper.
+"""Find Transformer Engine's ``fused_attn_bwd`` and reroute every call site to the wrapper.
 
-TE's consumers import the function by name (``from ..cpp_extensions import
-fused_attn_bwd`` in ``backends.py`` and ``context_parallel.py``), so rebinding the
-defining module alone would miss them. :func:`install` therefore rebinds every loaded
-module attribute that *is* the original, found by identity in ``sys.modules`` (no
-hard-coded list: a framework's own module that imported it is covered too). Modules
-imported later pick up the wrapper from the rebound defining module.
+TE's consumers import the function by name, so :func:`install` rebinds every loaded module
+attribute that *is* the original (found by identity in ``sys.modules``); modules imported
+later get the wrapper from the rebound defining module. TE is imported only when needed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
 import threading
 from types import ModuleType
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 from ._logging import log_once, logger
-from ._marker import is_wrapper
-from .te_compat import SYMBOL, find_original, import_fused_attn_module
-from .wrapper import wrapper_for
+from .stack import get_te_version
+from .wrapper import is_wrapper, unwrap, wrapper_for
 
-__all__ = ["install", "is_installed", "patched", "uninstall"]
+__all__ = [
+    "find_original",
+    "fused_attn_bwd",
+    "get_te_version",
+    "install",
+    "is_installed",
+    "patched",
+    "uninstall",
+]
+
+FUSED_ATTN_MODULE = "transformer_engine.pytorch.cpp_extensions.fused_attn"
+SYMBOL = "fused_attn_bwd"
+
+INSTALL_HINT = (
+    "te-gqa-fix needs NVIDIA Transformer Engine with its PyTorch extension for this: "
+    "pip install 'transformer-engine[pytorch]>=2.8' (or use an NGC PyTorch container, which "
+    "ships it); `import te_gqa_fix` itself works without it"
+)
+
+
+def import_fused_attn_module() -> ModuleType:
+    """Import ``transformer_engine.pytorch`` and return the module defining fused_attn_bwd."""
+    try:
+        importlib.import_module("transformer_engine.pytorch")
+        return importlib.import_module(FUSED_ATTN_MODULE)
+    except ImportError as exc:
+        raise ImportError(f"{INSTALL_HINT} (import failed: {exc})") from exc
+
+
+def find_original(module: Optional[ModuleType] = None) -> Callable:
+    """TE's own ``fused_attn_bwd`` (unwrapped if our wrapper is installed there)."""
+    module = import_fused_attn_module() if module is None else module
+    fn = getattr(module, SYMBOL, None)
+    if fn is None:
+        raise ImportError(
+            f"{module.__name__} has no attribute {SYMBOL!r}: this Transformer Engine "
+            f"({get_te_version()}) is not one te-gqa-fix supports (2.8 to 2.20)"
+        )
+    return unwrap(fn)
+
 
 _lock = threading.RLock()
 # (module, attribute) -> what it held before we rebound it
@@ -123,3 +159,15 @@ def patched() -> Iterator[List[str]]:
     finally:
         if not was_installed:
             uninstall()
+
+
+def fused_attn_bwd(*args: Any, **kwargs: Any) -> Any:
+    """Drop-in for TE's ``fused_attn_bwd`` (TE 2.8 to 2.20, positional or keyword).
+
+    Calls the installed TE's function through the wrapper and returns what it returns,
+    with every row whose true gradient is 0 zeroed in place; no host sync.
+
+    Raises:
+        ImportError: Transformer Engine is missing (the message says how to install it).
+    """
+    return wrapper_for(find_original())(*args, **kwargs)

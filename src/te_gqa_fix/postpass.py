@@ -1,18 +1,8 @@
 """The post-pass: zero, in place, every dQ/dK/dV row whose true gradient is exactly 0.
 
-Why a post-pass is enough: on the affected cuDNN builds the damage is on rows whose true
-gradient is 0, so writing zeros there is exact. Rows that receive attention are never
-touched. Measured on cuDNN 9.14 (``benchmarks/damage_map.py``), the damaged rows are the
-KV rows of sequences without query tokens; TE zero-fills THD dQ/dK/dV before it calls
-cuDNN, and padding, tail, unattended-key and dQ rows came back 0. The post-pass zeroes
-all of them anyway (a superset, at 1.3% of the backward at 8K tokens in the benchmark), so
-that exactness rests neither on TE's zero-fill nor on builds nobody measured.
-
-The PyTorch implementation here is the CPU path, the fallback on CUDA, and the oracle
-for the Triton kernel. It uses only shape-driven device ops (``searchsorted``,
-comparisons, ``masked_fill_``): no ``.item()``, no ``.tolist()``, no Python branch on a
-tensor value, so it is safe inside CUDA-graph capture and runs on the current stream.
-Fills rather than multiplications, so a stale NaN or Inf is cleared too.
+On the affected cuDNN builds the damage is on rows whose true gradient is 0, so zeros there
+are exact. :func:`kernel_plan` decides kernel-or-torch; the PyTorch path uses shape-driven
+device ops only (no ``.item()``, no branch on a tensor value), so it is CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -23,19 +13,18 @@ from typing import Literal, Optional, Sequence
 
 import torch
 
-from . import offset_errors
+from . import launch, offset_errors, settings
 from ._logging import log_once
 from .masks import KeySpan, key_span
-from .policy import deep_validation_enabled
-from .validation import check_metadata, check_rows_disjoint, check_values, shape_of
+from .validation import (
+    check_metadata,
+    check_offsets,
+    check_rows_disjoint,
+    check_values,
+    shape_of,
+)
 
-__all__ = [
-    "DeadRows",
-    "dead_row_masks",
-    "zero_dead_rows",
-    "zero_dead_rows_prechecked",
-    "zero_rows_",
-]
+__all__ = ["DeadRows", "dead_row_masks", "kernel_plan", "run", "zero_dead_rows", "zero_rows_"]
 
 Impl = Literal["auto", "torch", "triton"]
 
@@ -140,31 +129,18 @@ def _dead_rows(
     span: KeySpan,
 ) -> DeadRows:
     """:func:`dead_row_masks` for a resolved :class:`KeySpan` (nothing recorded)."""
-    cu_q = cu_seqlens_q.to(torch.int64)
-    cu_kv = cu_seqlens_kv.to(torch.int64)
+    cu_q, cu_kv = cu_seqlens_q.to(torch.int64), cu_seqlens_kv.to(torch.int64)
     pad_q = cu_q if cu_seqlens_q_padded is None else cu_seqlens_q_padded.to(torch.int64)
     pad_kv = cu_kv if cu_seqlens_kv_padded is None else cu_seqlens_kv_padded.to(torch.int64)
-    device = cu_seqlens_kv.device
-    errors = _offset_error_bits(
-        cu_q,
-        cu_kv,
-        pad_q,
-        pad_kv,
-        cu_seqlens_q_padded is not None,
-        cu_seqlens_kv_padded is not None,
-        rows_q,
-        rows_kv,
-    )
+    given = (cu_seqlens_q_padded is not None, cu_seqlens_kv_padded is not None)
+    errors = _offset_error_bits(cu_q, cu_kv, pad_q, pad_kv, *given, rows_q, rows_kv)
     ok = errors == 0
-    nseq = cu_seqlens_q.numel() - 1
-    if nseq <= 0:
-        q_dead = None if rows_q is None else torch.ones(rows_q, dtype=torch.bool, device=device)
-        kv_dead = torch.ones(rows_kv, dtype=torch.bool, device=device)
-        return DeadRows(q=None if q_dead is None else q_dead & ok, kv=kv_dead & ok, errors=errors)
-    lq = cu_q[1:] - cu_q[:-1]
-    lk = cu_kv[1:] - cu_kv[:-1]
+    if cu_seqlens_q.numel() <= 1:  # no sequence: every row is dead
+        ones = dict(dtype=torch.bool, device=cu_seqlens_kv.device)
+        q_dead = None if rows_q is None else torch.ones(rows_q, **ones) & ok
+        return DeadRows(q=q_dead, kv=torch.ones(rows_kv, **ones) & ok, errors=errors)
+    lq, lk = cu_q[1:] - cu_q[:-1], cu_kv[1:] - cu_kv[:-1]
     lo, hi = _key_bounds(lq, lk, span)
-
     inside, seg, pos = _segments(rows_kv, pad_kv.contiguous())
     kv_keep = inside & (pos >= lo[seg]) & (pos < hi[seg])
     q_dead = None
@@ -213,21 +189,15 @@ def dead_row_masks(
     reported as described in :mod:`te_gqa_fix.offset_errors` (CPU: ``OffsetsError``, a
     ``ValueError``, at once; CUDA: at the next post-pass call).
     """
+    # The checks of zero_dead_rows, in its order: the same input gets the same error.
     span = key_span(attn_mask_type, window_size, bottom_right_diagonal, strict=True)
-    dead = _dead_rows(
-        cu_seqlens_q,
-        cu_seqlens_kv,
-        cu_seqlens_q_padded,
-        cu_seqlens_kv_padded,
-        rows_q,
-        rows_kv,
-        span,
-    )
+    offsets = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
+    check_offsets(*offsets, rows_q=rows_q, rows_kv=rows_kv)
+    if rows_kv is None:
+        raise ValueError("rows_kv: expected a non-negative int, got None")
+    dead = _dead_rows(*offsets, rows_q, rows_kv, span)
     _record_errors(dead.errors, cu_seqlens_kv.device)
     return dead
-
-
-_QUANTIZED_WARNED = "quantized-output"
 
 
 def _writable_rows(t: object, name: str) -> Optional[torch.Tensor]:
@@ -251,7 +221,7 @@ def _writable_rows(t: object, name: str) -> Optional[torch.Tensor]:
     ):
         return data
     log_once(
-        (_QUANTIZED_WARNED, type(t).__name__),
+        ("quantized-output", type(t).__name__),
         logging.WARNING,
         "te_gqa_fix: %s is a %s whose raw rows cannot be zeroed safely; passed through "
         "unchanged (rows of sequences without queries may hold stale values)",
@@ -272,16 +242,58 @@ def zero_rows_(t: Optional[object], dead: torch.Tensor, name: str = "tensor") ->
     target.masked_fill_(mask, 0)
 
 
-def _use_triton(impl: Impl, dk: torch.Tensor) -> bool:
-    if impl == "torch":
-        return False
-    if impl == "triton":
-        return True
-    if dk.device.type != "cuda":
-        return False
-    from . import triton_postpass
+_broken = False
 
-    return triton_postpass.available()
+
+def kernel_plan(
+    dq: Optional[torch.Tensor], dk: torch.Tensor, dv: torch.Tensor, offsets: tuple, span: KeySpan
+) -> Optional[launch.Plan]:
+    """The one decision between the Triton kernel and PyTorch: a launch plan, or None.
+
+    Args:
+        dq, dk, dv: the gradients (dq None: dK/dV only); offsets: TE's four offsets.
+        span: the mask's key interval rule.
+
+    Returns:
+        A :class:`te_gqa_fix.launch.Plan` where the kernel handles these tensors (CUDA,
+        Triton, plain fp16/bf16/fp32 tensors), else None (why is logged once at DEBUG).
+    """
+    if _broken or dk.device.type != "cuda" or not launch.available():
+        return None
+    why = launch.unsupported(dq, dk, dv, offsets)
+    if why is not None:
+        log_once(("no-kernel", why), logging.DEBUG, "te_gqa_fix: PyTorch post-pass for %s", why)
+        return None
+    return launch.make_plan(dq, dk, dv, offsets, span)
+
+
+def run(
+    dq: Optional[torch.Tensor],
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    offsets: tuple,
+    span: KeySpan,
+    plan: Optional[launch.Plan],
+) -> None:
+    """The post-pass on checked arguments: the kernel when ``plan`` is given, else PyTorch.
+
+    First raises what an earlier call on this device recorded (a host read, no sync).
+    ``TE_GQA_FIX_VALIDATE=on`` reads the offsets now (a sync) and raises in this call.
+    """
+    global _broken
+    offset_errors.raise_pending(dk.device)
+    if settings.get("TE_GQA_FIX_VALIDATE") == "on":
+        rows_q = None if dq is None else int(shape_of(dq)[0])  # type: ignore[index]
+        check_values(rows_q, int(shape_of(dk)[0]), *offsets)  # type: ignore[index]
+    if plan is not None and not _broken:
+        try:
+            launch.launch(plan, dq, dk, dv, offsets)
+            return
+        except Exception as exc:  # compile or launch failure: never leave rows unzeroed
+            _broken = True
+            msg = "te_gqa_fix: Triton post-pass failed (%r); PyTorch post-pass from now on"
+            log_once(("kernel-failed",), logging.WARNING, msg, exc)
+    _zero_with_torch(dq, dk, dv, offsets, span)
 
 
 def zero_dead_rows(
@@ -300,102 +312,33 @@ def zero_dead_rows(
 ) -> None:
     """Zero in place the THD gradient rows whose true gradient is exactly 0.
 
-    ``dq`` ([Tq, Hq, D], may be None), ``dk`` and ``dv`` ([Tkv, Hkv, D]) may be views of
-    one packed buffer (``thd_t2hd``/``thd_th2d``). Offsets and mask arguments are TE's
-    (see :func:`dead_row_masks`). KV rows are zeroed outside each sequence's attended key
-    interval, dQ rows outside the valid query tokens and in sequences without keys.
+    KV rows are zeroed outside each sequence's attended key interval, dQ rows outside the
+    valid query tokens and in sequences without keys. No host sync unless
+    ``TE_GQA_FIX_VALIDATE=on``.
 
-    Bad input raises ``ValueError`` naming the argument, never a silently wrong
-    gradient: metadata (dtype, shape, device, heads that do not divide, rows that share
-    memory) and mask arguments (unknown ``attn_mask_type``, malformed ``window_size``,
-    non-bool ``bottom_right_diagonal``) at once; impossible offset *values* (negative,
-    decreasing, a padded segment shorter than its valid length, past the buffer) make the
-    call zero nothing and raise ``OffsetsError`` (a ``ValueError``) naming the argument:
-    at once on CPU or with ``TE_GQA_FIX_VALIDATE=1``, else on CUDA at the start of the
-    next post-pass call on that device (see :mod:`te_gqa_fix.offset_errors`).
+    Args:
+        dq: ``[Tq, Hq, D]`` or None; dk, dv: ``[Tkv, Hkv, D]`` (views of one packed buffer
+            are fine).
+        cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded: TE's int32
+            offsets (padded None: the valid ones).
+        attn_mask_type, window_size, bottom_right_diagonal: TE's mask arguments.
+        impl: ``auto``/``triton`` (the kernel where it applies) or ``torch``.
 
-    No host sync unless ``TE_GQA_FIX_VALIDATE=1``. ``impl`` picks the Triton kernel
-    (CUDA) or the PyTorch ops; ``auto`` uses Triton on CUDA when it is importable.
+    Raises:
+        ValueError: bad metadata or mask arguments, naming the argument, before anything is
+            written. Impossible offset values make the call zero nothing and raise
+            ``OffsetsError`` (a ValueError): at once on CPU or with validation on, else at
+            the next post-pass call on that device (see :mod:`te_gqa_fix.offset_errors`).
     """
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(f"impl: expected 'auto', 'torch' or 'triton', got {impl!r}")
     span = key_span(attn_mask_type, window_size, bottom_right_diagonal, strict=True)
-    check_metadata(
-        dq, dk, dv, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded
-    )
+    offsets = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
+    check_metadata(dq, dk, dv, *offsets)
     for name, t in (("dq", dq), ("dk", dk), ("dv", dv)):
         check_rows_disjoint(name, t)
-    _zero_dead_rows(
-        dq,
-        dk,
-        dv,
-        cu_seqlens_q,
-        cu_seqlens_kv,
-        cu_seqlens_q_padded,
-        cu_seqlens_kv_padded,
-        span,
-        impl,
-    )
-
-
-def zero_dead_rows_prechecked(
-    dq: Optional[torch.Tensor],
-    dk: torch.Tensor,
-    dv: torch.Tensor,
-    offsets: tuple,
-    span: KeySpan,
-    launches: Optional[object],
-) -> None:
-    """The post-pass for a caller that has already checked the call (the wrapper).
-
-    The wrapper validates TE's inputs and the offsets' metadata once per call (a cached
-    comparison) and resolves the mask to ``span`` once per call shape (TE validates its
-    masks itself, so one this library does not know keeps the conservative set, logged
-    once at WARNING), so this skips :func:`check_metadata`, the row-overlap check (TE's
-    outputs are fresh tensors) and ``key_span``. Offset *values* are judged exactly as in
-    :func:`zero_dead_rows`. ``launches`` (:class:`te_gqa_fix.triton_postpass.Launches`, or
-    None for the PyTorch route) keys the kernel launch on the outputs' metadata. Whenever
-    the kernel declines, the PyTorch post-pass runs: rows are never left unzeroed.
-    """
-    if deep_validation_enabled():
-        offset_errors.raise_pending(dk.device)
-        _deep_check(dq, dk, offsets)
-    # The kernel's launch first raises what an earlier call on this device recorded
-    # (its plan holds the device's host words: one read, no sync).
-    if launches is not None and launches.launch(dq, dk, dv, offsets, span):  # type: ignore[attr-defined]
-        return
-    offset_errors.raise_pending(dk.device)
-    _zero_with_torch(dq, dk, dv, offsets, span)
-
-
-def _zero_dead_rows(
-    dq: Optional[torch.Tensor],
-    dk: torch.Tensor,
-    dv: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_kv: torch.Tensor,
-    cu_seqlens_q_padded: Optional[torch.Tensor],
-    cu_seqlens_kv_padded: Optional[torch.Tensor],
-    span: KeySpan,
-    impl: Impl,
-) -> None:
-    """The post-pass proper, on checked metadata and a resolved span."""
-    offsets = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
-    # Bad offsets recorded by an earlier call on this device (host read, no sync).
-    offset_errors.raise_pending(dk.device)
-    if deep_validation_enabled():
-        _deep_check(dq, dk, offsets)
-    if _use_triton(impl, dk):
-        from . import triton_postpass
-
-        if triton_postpass.zero_dead_rows_triton(dq, dk, dv, *offsets, span=span):
-            return
-    _zero_with_torch(dq, dk, dv, offsets, span)
-
-
-def _deep_check(dq: Optional[object], dk: object, offsets: tuple) -> None:
-    """``TE_GQA_FIX_VALIDATE=1``: read the offsets now (a host sync) and raise at once."""
-    rows_q = None if dq is None else int(shape_of(dq)[0])  # type: ignore[index]
-    rows_kv = int(shape_of(dk)[0])  # type: ignore[index]
-    check_values(rows_q, rows_kv, *offsets)
+    plan = None if impl == "torch" else kernel_plan(dq, dk, dv, offsets, span)
+    run(dq, dk, dv, offsets, span, plan)
 
 
 def _zero_with_torch(

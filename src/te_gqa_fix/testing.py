@@ -1,9 +1,7 @@
-"""Call TE's fused attention on packed THD input by argument name, and trigger the bug.
+"""THD test batches, TE's fused attention called by argument name, the fp32 reference.
 
-Shared by the GPU tests, the benchmarks, ``te-gqa-fix doctor`` and the examples, so that
-all of them build the call the same way for whatever TE release is installed (2.8's
-``dqkv_dtype`` and 2.20's ``o_format``/``do_format``/``dqkv_layout`` are filled only
-where the signature has them). Nothing here runs at import; TE is imported on demand.
+Shared by the tests, benchmarks and ``te-gqa-fix doctor``, so that all of them call whichever
+TE release is installed the same way. TE is imported on demand.
 """
 
 from __future__ import annotations
@@ -14,33 +12,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = [
-    "GRADS",
-    "ThdBatch",
-    "call_by_name",
-    "compare",
-    "corrupted",
-    "exact",
-    "make_batch",
-    "poison_allocator",
-    "random_inputs",
-    "reference_attention",
-    "references",
-    "seed_batch",
-    "te_backward",
-    "te_forward",
-    "tolerance",
-]
-
 
 def _parameters(fn: Callable):
-    from . import wrapper
+    from . import patch
 
-    if fn is wrapper.fused_attn_bwd:
-        # The drop-in learns its original lazily; read the installed TE's signature.
-        from .te_compat import find_original
-
-        fn = find_original()
+    if fn is patch.fused_attn_bwd:  # the drop-in: read the installed TE's signature
+        fn = patch.find_original()
     return inspect.signature(inspect.unwrap(fn)).parameters
 
 
@@ -48,6 +25,10 @@ def call_by_name(fn: Callable, **kwargs: Any) -> Any:
     """Call ``fn`` with the keyword arguments its signature has; the rest are dropped."""
     params = _parameters(fn)
     return fn(**{k: v for k, v in kwargs.items() if k in params})
+
+
+def _lengths(offsets: Sequence[int]) -> List[int]:
+    return [b - a for a, b in zip(offsets, offsets[1:])]
 
 
 @dataclass
@@ -70,10 +51,6 @@ class ThdBatch:
     tensors: Dict[str, torch.Tensor] = field(default_factory=dict)
     head_dim_v: Optional[int] = None  # None: the same as head_dim (MLA uses q/k 192, v 128)
 
-    @property
-    def dim_v(self) -> int:
-        return self.head_dim if self.head_dim_v is None else self.head_dim_v
-
     @classmethod
     def of_tensors(
         cls,
@@ -84,8 +61,7 @@ class ThdBatch:
         pad_kv: Sequence[int],
         **fields: Any,
     ) -> ThdBatch:
-        """The batch of existing THD tensors ``q``, ``k``, ``v``, ``d_o``: rows, heads, head
-        dim and dtype are read from them; ``fields`` sets ``mask``, ``window``, ..."""
+        """The batch of THD tensors ``q``, ``k``, ``v``, ``d_o``; ``fields`` sets ``mask``, ..."""
         q, k = tensors["q"], tensors["k"]
         return cls(
             cu_q=list(cu_q),
@@ -104,29 +80,23 @@ class ThdBatch:
 
     @property
     def lq(self) -> List[int]:
-        return [b - a for a, b in zip(self.cu_q, self.cu_q[1:])]
+        return _lengths(self.cu_q)
 
     @property
     def lk(self) -> List[int]:
-        return [b - a for a, b in zip(self.cu_kv, self.cu_kv[1:])]
+        return _lengths(self.cu_kv)
 
     def offsets(self, device: torch.device | str) -> Dict[str, torch.Tensor]:
-        i32 = dict(dtype=torch.int32, device=device)
-        return {
-            "cu_seqlens_q": torch.tensor(self.cu_q, **i32),
-            "cu_seqlens_kv": torch.tensor(self.cu_kv, **i32),
-            "cu_seqlens_q_padded": torch.tensor(self.pad_q, **i32),
-            "cu_seqlens_kv_padded": torch.tensor(self.pad_kv, **i32),
-        }
+        """TE's four offset arguments, as int32 tensors on ``device``."""
+        names = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
+        values = (self.cu_q, self.cu_kv, self.pad_q, self.pad_kv)
+        return {n: torch.tensor(v, dtype=torch.int32, device=device) for n, v in zip(names, values)}
 
     def max_seqlens(self) -> Tuple[int, int]:
         """Max padded segment length, rounded up to 64 (TE's convention for THD)."""
-
-        def seg_max(pad: Sequence[int]) -> int:
-            m = max([b - a for a, b in zip(pad, pad[1:])] or [1])
-            return max(64, (m + 63) // 64 * 64)
-
-        return seg_max(self.pad_q), seg_max(self.pad_kv)
+        longest = (max(_lengths(pad) or [1]) for pad in (self.pad_q, self.pad_kv))
+        max_q, max_kv = (max(64, (m + 63) // 64 * 64) for m in longest)
+        return max_q, max_kv
 
 
 def make_batch(
@@ -141,26 +111,20 @@ def make_batch(
     gap_kv: Sequence[int] | int = 0,
     lead: int = 0,
     tail: int = 0,
-    mask: str = "padding_causal",
-    window: Tuple[int, int] = (-1, -1),
-    bottom_right_diagonal: Optional[bool] = None,
-    head_dim_v: Optional[int] = None,
+    **fields: Any,
 ) -> ThdBatch:
     """Lay sequences out with ``gap`` padding rows after each, ``lead`` rows before the
-    first and ``tail`` rows after the last (rows that belong to no sequence)."""
-    n = len(lq)
-    gq = [gap_q] * n if isinstance(gap_q, int) else list(gap_q)
-    gk = [gap_kv] * n if isinstance(gap_kv, int) else list(gap_kv)
+    first and ``tail`` rows after the last; ``fields`` sets ``mask``, ``window``, ..."""
 
-    def layout(lengths: Sequence[int], gaps: Sequence[int]):
+    def layout(lengths: Sequence[int], gaps: Sequence[int] | int):
         cu, pad = [0], [lead]
-        for length, gap in zip(lengths, gaps):
+        for i, length in enumerate(lengths):
             cu.append(cu[-1] + length)
-            pad.append(pad[-1] + length + gap)
+            pad.append(pad[-1] + length + (gaps if isinstance(gaps, int) else gaps[i]))
         return cu, pad
 
-    cu_q, pad_q = layout(lq, gq)
-    cu_kv, pad_kv = layout(lk, gk)
+    cu_q, pad_q = layout(lq, gap_q)
+    cu_kv, pad_kv = layout(lk, gap_kv)
     return ThdBatch(
         cu_q=cu_q,
         cu_kv=cu_kv,
@@ -172,48 +136,42 @@ def make_batch(
         heads_kv=heads_kv,
         head_dim=head_dim,
         dtype=dtype,
-        mask=mask,
-        window=window,
-        bottom_right_diagonal=bottom_right_diagonal,
-        head_dim_v=head_dim_v,
+        **fields,
     )
 
 
 def seed_batch(second_call: bool = True) -> ThdBatch:
-    """The original report: 2 query heads, 1 KV head, d 8, fp16; cu_seqlens_q [0,1,3]
-    then [0,0,3] (the second call has a sequence without queries), kv [0,3,9], padded
-    [0,4,12] for both."""
-    cu_q = [0, 0, 3] if second_call else [0, 1, 3]
-    return ThdBatch(
-        cu_q=cu_q,
-        cu_kv=[0, 3, 9],
-        pad_q=[0, 4, 12],
-        pad_kv=[0, 4, 12],
-        rows_q=12,
-        rows_kv=12,
+    """The original report: GQA 2:1, d 8, fp16, kv [0,3,9], padded [0,4,12] for q and kv;
+    cu_seqlens_q [0,1,3], then [0,0,3] (the second call has a sequence without queries)."""
+    lq = [0, 3] if second_call else [1, 2]
+    return make_batch(
+        lq,
+        [3, 6],
         heads_q=2,
         heads_kv=1,
         head_dim=8,
         dtype=torch.float16,
-        mask="padding_causal",
+        gap_q=[4 - lq[0], 8 - lq[1]],
+        gap_kv=[1, 2],
     )
 
 
 def random_inputs(batch: ThdBatch, device: str = "cuda", seed: int = 0) -> Dict[str, torch.Tensor]:
+    """Seeded ``q``, ``k``, ``v``, ``d_o`` for the batch, also stored in ``batch.tensors``."""
     g = torch.Generator(device="cpu").manual_seed(seed)
+    dim_v = batch.head_dim if batch.head_dim_v is None else batch.head_dim_v
 
     def rnd(rows: int, heads: int, dim: int) -> torch.Tensor:
         t = torch.randn(rows, heads, dim, generator=g, dtype=torch.float32)
         return t.to(device=device, dtype=batch.dtype)
 
-    out = {
+    batch.tensors = {
         "q": rnd(batch.rows_q, batch.heads_q, batch.head_dim),
         "k": rnd(batch.rows_kv, batch.heads_kv, batch.head_dim),
-        "v": rnd(batch.rows_kv, batch.heads_kv, batch.dim_v),
-        "d_o": rnd(batch.rows_q, batch.heads_q, batch.dim_v),
+        "v": rnd(batch.rows_kv, batch.heads_kv, dim_v),
+        "d_o": rnd(batch.rows_q, batch.heads_q, dim_v),
     }
-    batch.tensors = out
-    return out
+    return batch.tensors
 
 
 def _fused_attn():
@@ -223,8 +181,7 @@ def _fused_attn():
 
 
 def _backend():
-    fa = _fused_attn()
-    enum = getattr(fa, "FusedAttnBackend", None)
+    enum = getattr(_fused_attn(), "FusedAttnBackend", None)
     if enum is None:  # older TE: the pybind enum lives in tex
         import transformer_engine_torch as tex
 
@@ -234,7 +191,12 @@ def _backend():
 
 def _common_kwargs(batch: ThdBatch, device: str) -> Dict[str, Any]:
     max_q, max_kv = batch.max_seqlens()
-    kw: Dict[str, Any] = dict(
+    t = batch.tensors
+    # call_by_name drops what the installed release lacks (o_format etc. are 2.20's).
+    return dict(
+        q=t["q"],
+        k=t["k"],
+        v=t["v"],
         max_seqlen_q=max_q,
         max_seqlen_kv=max_kv,
         fake_dtype=batch.dtype,
@@ -250,57 +212,37 @@ def _common_kwargs(batch: ThdBatch, device: str) -> Dict[str, Any]:
         window_size=batch.window,
         bottom_right_diagonal=batch.bottom_right_diagonal,
         deterministic=False,
+        **batch.offsets(device),
     )
-    kw.update(batch.offsets(device))
-    return kw
 
 
 def te_forward(batch: ThdBatch, device: str = "cuda") -> Tuple[torch.Tensor, Any]:
     """TE's ``fused_attn_fwd`` on the batch's tensors: ``(out, aux_ctx_tensors)``."""
     t = batch.tensors
-    out, aux = call_by_name(
-        _fused_attn().fused_attn_fwd,
-        is_training=True,
-        q=t["q"],
-        k=t["k"],
-        v=t["v"],
-        **_common_kwargs(batch, device),
-    )[:2]
-    t["o"] = out
-    t["aux"] = aux
-    return out, aux
+    fwd = _fused_attn().fused_attn_fwd
+    t["o"], t["aux"] = call_by_name(fwd, is_training=True, **_common_kwargs(batch, device))[:2]
+    return t["o"], t["aux"]
 
 
 def te_backward(
     batch: ThdBatch, fn: Optional[Callable] = None, device: str = "cuda", **extra: Any
 ) -> List[torch.Tensor]:
     """``fn`` (default: TE's current ``fused_attn_bwd``) on the batch; returns its output."""
-    fa = _fused_attn()
-    fn = fa.fused_attn_bwd if fn is None else fn
+    fn = _fused_attn().fused_attn_bwd if fn is None else fn
     t = batch.tensors
     kw = _common_kwargs(batch, device)
     if "dqkv_dtype" in _parameters(fn):  # TE 2.8
         from transformer_engine.pytorch.constants import TE_DType
 
         kw["dqkv_dtype"] = TE_DType[batch.dtype]
-    kw.update(extra)
-    return call_by_name(
-        fn,
-        q=t["q"],
-        k=t["k"],
-        v=t["v"],
-        o=t["o"],
-        d_o=t["d_o"],
-        aux_ctx_tensors=t["aux"],
-        **kw,
-    )
+    kw.update(o=t["o"], d_o=t["d_o"], aux_ctx_tensors=t["aux"], **extra)
+    return call_by_name(fn, **kw)
 
 
 def poison_allocator(value: float = 1000.0, numel: int = 1 << 28, device: str = "cuda") -> None:
     """Fill a large block with ``value`` and free it, so the caching allocator hands it
     to the next large allocation (TE's workspace): the deterministic trigger."""
-    block = torch.full((numel,), value, device=device, dtype=torch.float32)
-    del block
+    torch.full((numel,), value, device=device, dtype=torch.float32)
 
 
 def attention_mask(lq: int, lk: int, batch: ThdBatch) -> torch.Tensor:
@@ -312,14 +254,13 @@ def attention_mask(lq: int, lk: int, batch: ThdBatch) -> torch.Tensor:
     j = torch.arange(lk).view(1, -1)
     allowed = torch.zeros(lq, lk, dtype=torch.bool)
     for use, s in ((span.top_left, 0), (span.bottom_right, lk - lq)):
-        if not use:
-            continue
-        ok = torch.ones(lq, lk, dtype=torch.bool)
-        if span.window_left >= 0:
-            ok &= j >= i + s - span.window_left
-        if span.window_right >= 0:
-            ok &= j <= i + s + span.window_right
-        allowed |= ok
+        if use:
+            ok = torch.ones(lq, lk, dtype=torch.bool)
+            if span.window_left >= 0:
+                ok &= j >= i + s - span.window_left
+            if span.window_right >= 0:
+                ok &= j <= i + s + span.window_right
+            allowed |= ok
     return allowed
 
 
@@ -328,34 +269,27 @@ def reference_attention(
 ) -> Dict[str, torch.Tensor]:
     """Per-sequence softmax attention and its autograd gradients in ``dtype``.
 
-    Rows outside sequences get 0 (their true gradient); a query with no key gets
-    output 0 and gradient 0. Returns ``o, dq, dk, dv`` laid out like TE's buffers.
+    Returns:
+        ``o, dq, dk, dv`` laid out like TE's buffers; rows outside sequences, and queries
+        without keys, get 0 (their true value).
     """
     t = {
-        k: v.detach().to(device=device, dtype=dtype)
-        for k, v in batch.tensors.items()
-        if k in ("q", "k", "v", "d_o")
+        k: batch.tensors[k].detach().to(device=device, dtype=dtype) for k in ("q", "k", "v", "d_o")
     }
     group = batch.heads_q // batch.heads_kv
-    o = torch.zeros_like(t["d_o"])
-    dq = torch.zeros_like(t["q"])
-    dk = torch.zeros_like(t["k"])
-    dv = torch.zeros_like(t["v"])
+    o, dq, dk, dv = (torch.zeros_like(t[name]) for name in ("d_o", "q", "k", "v"))
     scale = batch.head_dim**-0.5
-    for b, (lq, lk) in enumerate(zip(batch.lq, batch.lk)):
+    for sq, sk, lq, lk in zip(batch.pad_q, batch.pad_kv, batch.lq, batch.lk):
         if lq == 0 or lk == 0:
             continue
-        sq, sk = batch.pad_q[b], batch.pad_kv[b]
         q = t["q"][sq : sq + lq].clone().requires_grad_(True)
         k = t["k"][sk : sk + lk].clone().requires_grad_(True)
         v = t["v"][sk : sk + lk].clone().requires_grad_(True)
-        kk = k.repeat_interleave(group, dim=1)
-        vv = v.repeat_interleave(group, dim=1)
-        scores = torch.einsum("ihd,jhd->hij", q, kk) * scale
+        scores = torch.einsum("ihd,jhd->hij", q, k.repeat_interleave(group, dim=1)) * scale
         allowed = attention_mask(lq, lk, batch).to(device)
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-        out = torch.einsum("hij,jhd->ihd", probs, vv)
+        out = torch.einsum("hij,jhd->ihd", probs, v.repeat_interleave(group, dim=1))
         out.backward(t["d_o"][sq : sq + lq])
         o[sq : sq + lq] = out.detach()
         dq[sq : sq + lq] = q.grad
@@ -364,15 +298,11 @@ def reference_attention(
     return {"o": o, "dq": dq, "dk": dk, "dv": dv}
 
 
-# ----------------------------------------------------------------------------- tolerance
-# As flash-attention's tests do, the bound for TE's error against an fp32 reference is twice
-# the error of the same computation done by PyTorch in the input precision, plus a few ulps
-# of the reference's magnitude. Rows whose true gradient is 0 must be exactly 0.
-
 GRADS = ("dq", "dk", "dv")
 
 
 def dead_masks(batch: ThdBatch, device: str = "cuda"):
+    """The batch's :func:`te_gqa_fix.postpass.dead_row_masks`."""
     from .postpass import dead_row_masks
 
     return dead_row_masks(
@@ -388,10 +318,9 @@ def dead_masks(batch: ThdBatch, device: str = "cuda"):
 def live_q_rows(batch: ThdBatch) -> torch.Tensor:
     """Query rows that attend at least one key (their output is defined)."""
     live = torch.zeros(batch.rows_q, dtype=torch.bool)
-    for b, (lq, lk) in enumerate(zip(batch.lq, batch.lk)):
+    for start, lq, lk in zip(batch.pad_q, batch.lq, batch.lk):
         if lq and lk:
-            has_key = attention_mask(lq, lk, batch).any(dim=1)
-            live[batch.pad_q[b] : batch.pad_q[b] + lq] = has_key
+            live[start : start + lq] = attention_mask(lq, lk, batch).any(dim=1)
     return live
 
 
@@ -403,15 +332,14 @@ def references(batch: ThdBatch, device: str = "cuda") -> Dict[str, Dict[str, tor
     }
 
 
-def ulps(ref_max: float, dtype: torch.dtype) -> float:
-    """A few units in the last place of the reference's magnitude, in ``dtype``."""
-    return 4 * torch.finfo(dtype).eps * max(ref_max, 1e-3)
-
-
 def tolerance(err_same: float, ref_max: float, dtype: torch.dtype, factor: float = 2.0) -> float:
-    """The bound for an error against the fp32 reference: ``factor`` times the error of
-    the same computation in ``dtype`` (``err_same``), plus :func:`ulps`."""
-    return factor * err_same + ulps(ref_max, dtype)
+    """The bound for an error against the fp32 reference, as in flash-attention's tests:
+    ``factor`` times the error of the same computation in ``dtype`` plus 4 ulps of ``ref_max``."""
+    return factor * err_same + 4 * torch.finfo(dtype).eps * max(ref_max, 1e-3)
+
+
+def _max_abs(x: torch.Tensor) -> float:
+    return x.abs().max().item() if x.numel() else 0.0
 
 
 def compare(
@@ -427,18 +355,10 @@ def compare(
         ref = refs["fp32"][name].to(device)[mask].float()
         same = refs["same"][name].to(device)[mask].float()
         mine = got[mask].float()
-        err = (mine - ref).abs().max().item() if ref.numel() else 0.0
-        err_pt = (same - ref).abs().max().item() if ref.numel() else 0.0
-        ref_max = ref.abs().max().item() if ref.numel() else 0.0
-        bound = tolerance(err_pt, ref_max, batch.dtype, factor)
-        dead_rows = got[dead.q if name == "dq" else dead.kv]
-        res[f"{name}_err"] = err
-        res[f"{name}_bound"] = bound
-        res[f"{name}_dead_max"] = (
-            dead_rows.float().abs().nan_to_num(float("inf")).max().item()
-            if dead_rows.numel()
-            else 0.0
-        )
+        dead_rows = got[dead.q if name == "dq" else dead.kv].float()
+        res[f"{name}_err"] = _max_abs(mine - ref)
+        res[f"{name}_bound"] = tolerance(_max_abs(same - ref), _max_abs(ref), batch.dtype, factor)
+        res[f"{name}_dead_max"] = _max_abs(dead_rows.nan_to_num(float("inf")))
         res[f"{name}_nonfinite_live"] = int((~torch.isfinite(mine)).sum().item())
     return res
 
@@ -473,6 +393,5 @@ def large_head_dim_batch(
         gap_q=[2, 0, 4, 1],
         gap_kv=[0, 2, 0, 4],
         tail=3,
-        mask="padding_causal",
         head_dim_v=head_dim_v,
     )

@@ -1,22 +1,29 @@
-"""Input checks for the post-pass.
+"""The one input gate: every public entry point checks its arguments here, same messages.
 
-Two tiers. :func:`check_metadata` reads only shapes, dtypes and devices, so it costs no
-host sync and runs on every call (also inside CUDA-graph capture). :func:`check_values`
-reads the offsets themselves (a device-to-host copy), so it runs only when
-``TE_GQA_FIX_VALIDATE=1``: it is for debugging a pipeline, never for the hot path.
-Every error names the argument and what was expected, because a wrong offset here would
-otherwise mean a silently wrong gradient.
+:func:`check_offsets` and :func:`check_metadata` read only metadata (no host sync, safe in
+CUDA-graph capture); :func:`check_values` reads the offsets (a host sync) and runs on CPU
+offsets, for ``plan``, and with ``TE_GQA_FIX_VALIDATE=on``. Errors name the argument.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
 from .offset_errors import OffsetsError
 
-__all__ = ["check_metadata", "check_rows_disjoint", "check_values", "shape_of"]
+__all__ = [
+    "check_metadata",
+    "check_offsets",
+    "check_rows",
+    "check_rows_disjoint",
+    "check_values",
+    "shape_of",
+]
+
+
+_OFFSET_NAMES = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
 
 
 def _offsets(name: str, value: object, device: Optional[torch.device]) -> torch.Tensor:
@@ -33,11 +40,58 @@ def _offsets(name: str, value: object, device: Optional[torch.device]) -> torch.
         )
     if value.numel() < 1:
         raise ValueError(f"{name}: expected at least one offset (batch_size + 1 >= 1), got none")
+    if value.device.type == "meta":
+        raise ValueError(f"{name}: expected a tensor with data, got a meta tensor")
     if device is not None and value.device != device:
         raise ValueError(
             f"{name}: expected it on the attention tensors' device {device}, got {value.device}"
         )
     return value
+
+
+def check_offsets(
+    cu_seqlens_q: object,
+    cu_seqlens_kv: object,
+    cu_seqlens_q_padded: object = None,
+    cu_seqlens_kv_padded: object = None,
+    *,
+    rows_q: object = None,
+    rows_kv: object = None,
+    device: Optional[torch.device] = None,
+) -> int:
+    """Check TE's four offset arguments' metadata (no sync); raise ``ValueError`` naming one.
+
+    Args:
+        cu_seqlens_q, cu_seqlens_kv: valid offsets; ``*_padded``: buffer offsets or None.
+        rows_q, rows_kv: the buffers' row counts, when given: non-negative ints.
+        device: the device they must be on (default: ``cu_seqlens_q``'s).
+
+    Returns:
+        The number of offsets (batch size + 1), the same for all four.
+    """
+    cu_q = _offsets("cu_seqlens_q", cu_seqlens_q, device)
+    device = cu_q.device if device is None else device
+    n = cu_q.numel()
+    values = (cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
+    for name, value in zip(_OFFSET_NAMES[1:], values):
+        if value is None and name != "cu_seqlens_kv":
+            continue
+        t = _offsets(name, value, device)
+        if t.numel() != n:
+            raise ValueError(
+                f"{name}: expected {n} offsets (batch_size + 1, as cu_seqlens_q), got {t.numel()}"
+            )
+    for name, rows in (("rows_q", rows_q), ("rows_kv", rows_kv)):
+        if rows is not None:
+            check_rows(name, rows)
+    return n
+
+
+def check_rows(name: str, rows: object) -> int:
+    """``rows`` as a non-negative int, else ``ValueError`` naming ``name``."""
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+        raise ValueError(f"{name}: expected a non-negative int, got {rows!r}")
+    return rows
 
 
 def shape_of(t: object) -> Optional[tuple]:
@@ -99,23 +153,9 @@ def check_metadata(
     for name, t in ((name_v, dv), (name_q, dq)):
         if t is not None and t.device != device:
             raise ValueError(f"{name}: expected it on {name_k}'s device {device}, got {t.device}")
-    cu_q = _offsets("cu_seqlens_q", cu_seqlens_q, device)
-    n = cu_q.numel()
-    named: Sequence[tuple[str, Optional[torch.Tensor]]] = (
-        ("cu_seqlens_kv", cu_seqlens_kv),
-        ("cu_seqlens_q_padded", cu_seqlens_q_padded),
-        ("cu_seqlens_kv_padded", cu_seqlens_kv_padded),
+    check_offsets(
+        cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, device=device
     )
-    for name, value in named:
-        if value is None and name == "cu_seqlens_kv":
-            raise ValueError("cu_seqlens_kv: expected a 1-D torch.int32 tensor, got None")
-        if value is None:
-            continue
-        t = _offsets(name, value, device)
-        if t.numel() != n:
-            raise ValueError(
-                f"{name}: expected {n} offsets (batch_size + 1, as cu_seqlens_q), got {t.numel()}"
-            )
     # Heads: from the arguments when the wrapper passes TE's q/k heads, else the shapes
     # (the README promises this check for the public post-pass too).
     heads_k = int(shape_of(dk)[1])  # type: ignore[index]
@@ -172,11 +212,10 @@ def _check_monotonic(name: str, t: torch.Tensor) -> list[int]:
     values = [int(x) for x in t.tolist()]
     if values and values[0] < 0:
         raise OffsetsError(f"{name}: expected offsets >= 0, got {values[0]} first")
-    for i in range(1, len(values)):
-        if values[i] < values[i - 1]:
+    for i, (a, b) in enumerate(zip(values, values[1:]), 1):
+        if b < a:
             raise OffsetsError(
-                f"{name}: expected non-decreasing offsets, got {values[i - 1]} then "
-                f"{values[i]} at index {i}"
+                f"{name}: expected non-decreasing offsets, got {a} then {b} at index {i}"
             )
     return values
 
@@ -194,27 +233,20 @@ def check_values(
     Raises :class:`~te_gqa_fix.offset_errors.OffsetsError` (a ``ValueError``), the same
     error the sync-free check raises later, so one ``except`` catches both.
     """
-    for side, rows, cu, pad, cu_name, pad_name in (
-        ("q", rows_q, cu_seqlens_q, cu_seqlens_q_padded, "cu_seqlens_q", "cu_seqlens_q_padded"),
-        (
-            "kv",
-            rows_kv,
-            cu_seqlens_kv,
-            cu_seqlens_kv_padded,
-            "cu_seqlens_kv",
-            "cu_seqlens_kv_padded",
-        ),
-    ):
+    sides = (
+        ("q", rows_q, cu_seqlens_q, cu_seqlens_q_padded),
+        ("kv", rows_kv, cu_seqlens_kv, cu_seqlens_kv_padded),
+    )
+    for side, rows, cu, pad in sides:
+        cu_name, pad_name = f"cu_seqlens_{side}", f"cu_seqlens_{side}_padded"
         valid = _check_monotonic(cu_name, cu)
         padded = valid if pad is None else _check_monotonic(pad_name, pad)
         where = pad_name if pad is not None else cu_name
-        for b in range(len(valid) - 1):
-            length = valid[b + 1] - valid[b]
-            room = padded[b + 1] - padded[b]
-            if length > room:
+        for b, (v0, v1, p0, p1) in enumerate(zip(valid, valid[1:], padded, padded[1:])):
+            if v1 - v0 > p1 - p0:
                 raise OffsetsError(
-                    f"{cu_name}: sequence {b} has {length} tokens but {where} gives it "
-                    f"only {room} rows"
+                    f"{cu_name}: sequence {b} has {v1 - v0} tokens but {where} gives it "
+                    f"only {p1 - p0} rows"
                 )
         if rows is not None and padded and padded[-1] > rows:
             raise OffsetsError(

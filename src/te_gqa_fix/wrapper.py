@@ -1,10 +1,8 @@
-"""The drop-in ``fused_attn_bwd``: call TE unchanged, then zero the rows that must be 0.
+"""The wrapper of TE's ``fused_attn_bwd``: TE's call (or the exact fallback), then the post-pass.
 
-TE's signature drifted between releases (2.8 has ``dqkv_dtype``; 2.20 has ``o_format``,
-``do_format``, ``dqkv_layout``, ``bottom_right_diagonal``, ``cuda_graph``), and TE's own
-call sites mix positional and keyword arguments. So arguments are never read by fixed
-position: the wrapper reads them by name through the installed function's
-``inspect.signature``, resolved once per original into a name -> position table.
+Arguments are read by name through the wrapped function's signature: TE's signature drifted
+between releases and its call sites mix positional and keyword arguments. One cache, keyed
+on a call's metadata, holds each call shape's decision and launch plan; no host sync.
 """
 
 from __future__ import annotations
@@ -13,629 +11,292 @@ import functools
 import inspect
 import logging
 import operator
-from types import ModuleType
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-# The guard's module: the C lane reads its cached cuDNN decisions (guard._fixed) by name.
-from . import guard as _guard_module
-from . import triton_postpass as _tp
+from . import affected, fallback, postpass, settings
 from ._logging import log_once, logger
-from ._marker import MARKER, is_wrapper, unwrap
-
-# The guard's decisions, read by the fast lane: one dict lookup says "decided, nothing
-# to say" without a call (reset_guard clears the same dict).
-from .guard import _decisions as _guard_decisions
-from .guard import check_head_dims, cudnn_fixed
 from .masks import KeySpan, key_span
-from .policy import deep_validation_enabled, env_mapping, get_policy
-from .postpass import zero_dead_rows_prechecked
 from .validation import check_metadata, shape_of
 
-__all__ = [
-    "MARKER",
-    "call_counts",
-    "fused_attn_bwd",
-    "is_wrapper",
-    "parse_layout",
-    "reset_call_counts",
-    "unwrap",
-    "wrapper_for",
-]
+__all__ = ["MARKER", "call_counts", "is_wrapper", "reset_call_counts", "unwrap", "wrapper_for"]
+
+MARKER = "__te_gqa_fix_wrapper__"
 
 
-_COUNT_NAMES = ("calls", "fixed", "skipped", "passthrough", "fast_lane")
-_CALLS, _FIXED, _SKIPPED, _PASSTHROUGH, _FAST_LANE = range(5)
-#: One plain list, indexed by the constants above: an item increment is about a third of
-#: a Counter's, and the wrapper counts twice per call.
-_counts: List[int] = [0, 0, 0, 0, 0]
+def is_wrapper(fn: object) -> bool:
+    """Whether ``fn`` is a te-gqa-fix wrapper."""
+    return bool(getattr(fn, MARKER, False))
+
+
+def unwrap(fn: Callable) -> Callable:
+    """``fn`` without our wrappers (never anyone else's)."""
+    while is_wrapper(fn):
+        fn = fn.__wrapped__  # type: ignore[attr-defined]
+    return fn
+
+
+_COUNT_NAMES = ("calls", "fixed", "skipped", "passthrough", "fallback")
+_CALLS, _FIXED, _SKIPPED, _PASSTHROUGH, _FALLBACK = range(5)
+_counts: List[int] = [0] * 5
 
 
 def call_counts() -> Dict[str, int]:
-    """How many calls went through any wrapper: ``calls``, ``fixed`` (post-pass ran),
-    ``skipped`` (understood, nothing to do: MHA, non-THD, policy off, fixed cuDNN) and
-    ``passthrough`` (not understood; logged once); ``fast_lane``: of all calls, those the
-    fast lane served (a shape already seen: see ``_Lane``). Plain Python counters: no
-    device work."""
+    """Calls through any wrapper: ``calls``; ``fixed`` (post-pass on TE's output);
+    ``skipped`` (nothing to do: MHA, non-THD, policy off, fixed cuDNN); ``passthrough``
+    (not understood, logged once); ``fallback`` (the exact fallback replaced TE's call)."""
     return dict(zip(_COUNT_NAMES, _counts))
 
 
 def reset_call_counts() -> None:
-    _counts[:] = [0, 0, 0, 0, 0]
+    _counts[:] = [0] * 5
 
 
-_THD_LAYOUTS: Dict[str, Tuple[bool, bool]] = {
-    # layout -> (dQ is THD, dK/dV are THD)
-    "t3hd": (True, True),
-    "th3d": (True, True),
-    "thd_t2hd": (True, True),
-    "thd_th2d": (True, True),
-    "thd_thd_thd": (True, True),
-    "thd_bshd_bshd": (True, False),
-    "thd_sbhd_sbhd": (True, False),
+_OTHER_LAYOUTS = """sb3hd sbh3d sbhd_sb2hd sbhd_sbh2d sbhd_sbhd_sbhd bs3hd bsh3d bshd_bs2hd bshd_bsh2d
+    bshd_bshd_bshd sbhd_bshd_bshd bshd_sbhd_sbhd bhsd_bhsd_bhsd"""
+#: TE's layouts -> (dQ is THD, dK/dV are THD)
+_LAYOUTS: Dict[str, Tuple[bool, bool]] = {
+    **dict.fromkeys(("t3hd", "th3d", "thd_t2hd", "thd_th2d", "thd_thd_thd"), (True, True)),
+    **dict.fromkeys(("thd_bshd_bshd", "thd_sbhd_sbhd"), (True, False)),
+    **dict.fromkeys(_OTHER_LAYOUTS.split(), (False, False)),
 }
-_OTHER_LAYOUTS = {
-    "sb3hd", "sbh3d", "sbhd_sb2hd", "sbhd_sbh2d", "sbhd_sbhd_sbhd",
-    "bs3hd", "bsh3d", "bshd_bs2hd", "bshd_bsh2d", "bshd_bshd_bshd",
-    "sbhd_bshd_bshd", "bshd_sbhd_sbhd", "bhsd_bhsd_bhsd",
-}  # fmt: skip
 
 
-def parse_layout(layout: object) -> Optional[Tuple[bool, bool]]:
-    """``(dq_is_thd, dkv_is_thd)`` for a TE layout string; None when not understood."""
-    if not isinstance(layout, str):
-        return None
-    if layout in _THD_LAYOUTS:
-        return _THD_LAYOUTS[layout]
-    if layout in _OTHER_LAYOUTS:
-        return (False, False)
-    return None
-
-
-#: What the hot path reads from every call, in this order (see _Args.picker).
-_CALL_ARGS = (
-    "k", "v", "layout_name", "layout", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded",
+#: What the wrapper reads from every call, in this order. ``dqkv_layout`` (TE >= 2.20)
+#: counts only when the call gives it; otherwise ``qkv_layout`` names the gradients' layout.
+_NAMES = (
+    "q", "k", "v", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded",
     "cu_seqlens_kv_padded", "attn_mask_type", "window_size", "bottom_right_diagonal",
+    "qkv_layout", "dqkv_layout",
 )  # fmt: skip
 
 
-class _Args:
-    """Name-based access to one call's arguments, from a signature resolved once."""
+class _Signature:
+    """Name-based access to a call's arguments, resolved once per wrapped function."""
 
     def __init__(self, fn: Callable) -> None:
-        sig = inspect.signature(fn)
-        self.positions: Dict[str, int] = {}
-        self.defaults: Dict[str, Any] = {}
-        self.names = set(sig.parameters)
-        self.has_dqkv_layout = "dqkv_layout" in self.names
-        for i, (name, p) in enumerate(sig.parameters.items()):
-            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-                raise TypeError(f"signature has *{name}; cannot bind by name")
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-                self.positions[name] = i
-            if p.default is not p.empty:
-                self.defaults[name] = p.default
-        self.pick_q = self.picker(("q",))
-        self.pick_call = self.picker(_CALL_ARGS)
+        self.sig = inspect.signature(fn)
+        params = list(self.sig.parameters.values())
+        if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+            raise TypeError("a signature with *args or **kwargs cannot be read by name")
+        positions = {p.name: i for i, p in enumerate(params) if p.kind != p.KEYWORD_ONLY}
+        defaults = {p.name: p.default for p in params if p.default is not p.empty}
+        defaults["dqkv_layout"] = None
+        defaults.setdefault("window_size", (-1, -1))
+        self.slots = [(n, positions.get(n), defaults.get(n)) for n in _NAMES]
+        self.fast: Optional[Callable] = None
+        self.need = 0
+        if all(n in positions for n in _NAMES):  # every argument by position: one C call
+            self.fast = operator.itemgetter(*(positions[n] for n in _NAMES))
+            self.need = max(positions[n] for n in _NAMES) + 1
 
-    def get(self, args: Sequence, kwargs: Mapping[str, Any], name: str, default: Any = None):
-        if name in kwargs:
-            return kwargs[name]
-        i = self.positions.get(name)
-        if i is not None and i < len(args):
-            return args[i]
-        return self.defaults.get(name, default)
-
-    def _expr(self, name: str, fallback: str) -> str:
-        """Source of one argument's value: keyword, else position, else default."""
-        default = f"_d[{name!r}]" if name in self.defaults else fallback
-        i = self.positions.get(name)
-        if name not in self.names:
-            return fallback
-        if i is None:
-            return f"kwargs.get({name!r}, {default})"
-        return f"(kwargs[{name!r}] if {name!r} in kwargs else args[{i}] if na > {i} else {default})"
-
-    def picker(self, names: Sequence[str]) -> Callable[[Sequence, Mapping[str, Any]], tuple]:
-        """A function ``(args, kwargs) -> values of names`` compiled for this signature.
-
-        Why generated code: the wrapper reads a dozen arguments on every call; one
-        expression per argument with the position baked in is several times cheaper
-        than a lookup loop (the same trick Triton uses for its argument binder).
-        ``layout`` stands for TE's ``dqkv_layout`` when the call gave one, else
-        ``qkv_layout``; ``layout_name`` says which.
-        """
-        parts = []
-        for name in names:
-            if name == "layout_name":
-                given = "False"
-                if self.has_dqkv_layout:
-                    i = self.positions.get("dqkv_layout")
-                    given = "'dqkv_layout' in kwargs" + (f" or na > {i}" if i is not None else "")
-                parts.append(f"('dqkv_layout' if ({given}) else 'qkv_layout')")
-            elif name == "layout":
-                dq = self._expr("dqkv_layout", "None") if self.has_dqkv_layout else "None"
-                qkv = self._expr("qkv_layout", "None")
-                given = "False"
-                if self.has_dqkv_layout:
-                    i = self.positions.get("dqkv_layout")
-                    given = "'dqkv_layout' in kwargs" + (f" or na > {i}" if i is not None else "")
-                parts.append(f"({dq} if ({given}) else {qkv})")
-            else:
-                parts.append(self._expr(name, "(-1, -1)" if name == "window_size" else "None"))
-        src = (
-            "def pick(args, kwargs):\n    na = len(args)\n    return (" + ", ".join(parts) + ",)\n"
+    def pick(self, args: Sequence, kwargs: Mapping[str, Any]) -> tuple:
+        if self.fast is not None and not kwargs and len(args) >= self.need:
+            return self.fast(args)
+        n_args = len(args)
+        return tuple(
+            kwargs[n] if n in kwargs else args[i] if i is not None and i < n_args else d
+            for n, i, d in self.slots
         )
-        scope: Dict[str, Any] = {"_d": dict(self.defaults)}
-        exec(compile(src, f"<te_gqa_fix picker {','.join(names)}>", "exec"), scope)
-        return scope["pick"]
+
+    def bind(self, args: Sequence, kwargs: Mapping[str, Any]) -> Dict[str, Any]:
+        bound = self.sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return dict(bound.arguments)
 
 
-def _heads(t: object) -> Optional[int]:
-    shape = shape_of(t)  # also TE's FP8 storage classes, which have size() but no shape
-    return int(shape[-2]) if shape is not None and len(shape) >= 2 else None
+class _Entry:
+    """One call shape's decision: ``fix`` (post-pass on TE's output), ``fix_q`` (dQ too),
+    ``span``, ``dims`` (``(device, d_qk, d_v)`` when the guard applies), and the launch
+    plan for the outputs of metadata ``out_key``."""
+
+    __slots__ = ("dims", "fix", "fix_q", "out_key", "plan", "span")
+
+    def __init__(self, fix: bool, fix_q: bool = False, span: Optional[KeySpan] = None,
+                 dims: Optional[Tuple[int, int, int]] = None) -> None:  # fmt: skip
+        self.fix, self.fix_q, self.span, self.dims = fix, fix_q, span, dims
+        self.out_key: object = _UNSET
+        self.plan: Optional[object] = None
 
 
+_UNSET = object()
+_SKIP = _Entry(False)
+_MAX_ENTRIES = 256
 _Tensor = torch.Tensor
-_SEQUENCES = (list, tuple)
-_MAX_PLANS = 256
-
-
-class _Decision:
-    """What the wrapper does for one call shape, decided once and reused.
-
-    ``fix`` False means "understood, nothing to do" (MHA under auto, non-THD dK/dV).
-    ``guard`` holds ``(device_index, d_qk, d_v)`` for the per-call head-dim guard (a dict
-    lookup after its first call), or None. ``launches`` is the Triton launch cache for
-    this call shape (None: the PyTorch route).
-    """
-
-    __slots__ = ("fix", "fix_q", "guard", "launches", "span")
-
-    def __init__(
-        self,
-        fix: bool,
-        fix_q: bool = False,
-        span: Optional[KeySpan] = None,
-        guard: Optional[Tuple[int, int, int]] = None,
-        launches: Optional[object] = None,
-    ) -> None:
-        self.fix = fix
-        self.fix_q = fix_q
-        self.span = span
-        self.guard = guard
-        self.launches = launches
 
 
 def _passthrough(key: object, msg: str, *args: object) -> None:
     _counts[_PASSTHROUGH] += 1
-    log_once(
-        ("passthrough", key),
-        logging.WARNING,
-        "te_gqa_fix: " + msg + "; passed through untouched",
-        *args,
-    )
-
-
-def _guard_dims(
-    device_index: Optional[int], q: object, v: object
-) -> Optional[Tuple[int, int, int]]:
-    """``(device, d_qk, d_v)`` for :func:`check_head_dims`, or None when it cannot apply."""
-    if device_index is None:
-        return None
-    sq, sv = shape_of(q), shape_of(v)
-    if sq is not None and sv is not None and len(sq) >= 1 and len(sv) >= 1:
-        return (device_index, int(sq[-1]), int(sv[-1]))
-    return None
+    msg = "te_gqa_fix: " + msg + "; passed through untouched"
+    log_once(("passthrough", key), logging.WARNING, msg, *args)
 
 
 def _device_index(q: object) -> Optional[int]:
-    """The CUDA device index of ``q``, or None (CPU, unknown). No torch.device for tensors."""
     if type(q) is _Tensor:
         return q.get_device() if q.is_cuda else None  # type: ignore[union-attr]
     device = getattr(q, "device", None)
-    return device.index if device is not None and getattr(device, "type", None) == "cuda" else None
+    return device.index if getattr(device, "type", None) == "cuda" else None
 
 
-#: The two functions the C lane reads the answers of itself (q's device; the cached
-#: cuDNN decision) while this module's globals still name them; where a test or
-#: benchmark replaced one, the C lane calls the replacement.
-_C_READS = (_device_index, cudnn_fixed)
+def _where(t: torch.Tensor) -> object:
+    """A tensor's device for a key: the index on CUDA (one C call), else the device."""
+    return t.get_device() if t.is_cuda else t.device
 
 
-def _decide(
-    binder: _Args,
-    args: Sequence,
-    kwargs: Mapping[str, Any],
-    policy: str,
-    device_index: Optional[int],
-    q: object,
-    layout_name: str,
-    layout: object,
-    offsets: tuple,
-) -> Optional[_Decision]:
-    """Decide from metadata alone (no sync) whether and how to post-process this call shape.
+def _call_key(policy: str, dev: Optional[int], picked: tuple) -> Optional[tuple]:
+    """Every fact :func:`_decide` reads from a call, or None when a value cannot be keyed
+    (anything but plain tensors; a hit then means this exact metadata was checked)."""
+    q, k, v, cu_q, cu_kv, pad_q, pad_kv, mask, window, brd, lay, dlay = picked
+    T = _Tensor
+    if not (
+        type(q) is T and type(k) is T and type(v) is T and type(cu_q) is T and type(cu_kv) is T
+    ):
+        return None
+    pads = []
+    for p in (pad_q, pad_kv):
+        if p is None:
+            pads.append(None)
+        elif type(p) is T:
+            pads.append((p.dtype, p.shape, _where(p)))
+        else:
+            return None
+    return (
+        policy, dev, _where(q), q.shape, k.shape, _where(k), v.shape, _where(v),
+        cu_q.dtype, cu_q.shape, _where(cu_q), cu_kv.dtype, cu_kv.shape, _where(cu_kv),
+        *pads, mask, tuple(window) if type(window) is list else window, brd, lay, dlay,
+    )  # fmt: skip
 
-    Runs on the first call of each shape (and on every call the cache cannot key); its
-    checks raise ``ValueError`` naming the argument, so a bad call is never cached.
+
+def _decide(policy: str, dev: Optional[int], picked: tuple) -> Optional[_Entry]:
+    """What to do for one call shape, from metadata alone; None: not understood (logged).
+
+    Raises ``ValueError`` naming the argument for bad input, so a bad call is never cached.
     """
-    formats = parse_layout(layout)
+    q, k, v, cu_q, cu_kv, pad_q, pad_kv, mask, window, brd, lay, dlay = picked
+    layout_name, layout = ("qkv_layout", lay) if dlay is None else ("dqkv_layout", dlay)
+    formats = _LAYOUTS.get(layout) if isinstance(layout, str) else None
     if formats is None:
-        _passthrough(
-            ("layout", layout), "%s=%r is not a layout te-gqa-fix knows", layout_name, layout
-        )
+        msg = "%s=%r is not a layout te-gqa-fix knows"
+        _passthrough(("layout", layout), msg, layout_name, layout)
         return None
     fix_q, fix_kv = formats
     if not fix_kv:
-        return _Decision(False)
-    k = binder.get(args, kwargs, "k")
-    v = binder.get(args, kwargs, "v")
-    guard = _guard_dims(device_index, q, v)
-    if guard is not None:
-        check_head_dims(*guard)
-    h_q, h_kv = _heads(q), _heads(k)
-    if policy == "auto" and h_q is not None and h_q == h_kv:
-        return _Decision(False, guard=guard)
-    check_metadata(q if fix_q else None, k, v, *offsets, h_q, h_kv, names=("q", "k", "v"))
-    span = key_span(
-        binder.get(args, kwargs, "attn_mask_type"),
-        binder.get(args, kwargs, "window_size", (-1, -1)),
-        binder.get(args, kwargs, "bottom_right_diagonal"),
-    )
-    launches = None
-    if device_index is not None:
-        from . import triton_postpass
-
-        if triton_postpass.available():
-            launches = triton_postpass.Launches()
-    return _Decision(True, fix_q, span, guard, launches)
+        return _SKIP
+    sq, sk, sv = shape_of(q), shape_of(k), shape_of(v)
+    dims = None
+    if dev is not None and sq and sv and affected.unrepairable(dev, int(sq[-1]), int(sv[-1])):
+        dims = (dev, int(sq[-1]), int(sv[-1]))
+    h_q = int(sq[-2]) if sq and len(sq) >= 2 else None
+    h_kv = int(sk[-2]) if sk and len(sk) >= 2 else None
+    fix = policy == "always" or h_q is None or h_q != h_kv
+    if not fix and dims is None:
+        return _SKIP
+    names = ("q", "k", "v")
+    check_metadata(q if fix_q else None, k, v, cu_q, cu_kv, pad_q, pad_kv, h_q, h_kv, names)
+    return _Entry(fix, fix_q, key_span(mask, window, brd), dims)
 
 
-def _prepare(
-    binder: _Args, args: Sequence, kwargs: Mapping[str, Any], cache: Dict[tuple, _Decision]
-) -> Optional[Tuple[_Decision, tuple]]:
-    """``(plan, offsets)`` when this call needs the post-pass, else None (counted).
-
-    The hot path: the policy, the fixed-cuDNN pass-through, then one tuple of the call's
-    metadata (layout, mask, window, shapes and device indices of q/k/v, dtype/shape/device
-    index of each offsets tensor) looked up in ``cache``. Everything ``check_metadata``
-    reads is in that tuple, so a hit means this exact metadata was checked before; the
-    offsets are new tensors each call, and their metadata is compared on every call.
-    Device indices (``get_device``, an int) rather than ``torch.device`` objects: every
-    tensor TE accepts is on CUDA, and an index is one C call with no object to build.
-    """
-    policy = get_policy()
-    if policy == "off":
-        _counts[_SKIPPED] += 1
+def _guard(entry: _Entry, sig: _Signature, args: Sequence, kwargs: Mapping) -> Optional[dict]:
+    """For a configuration the post-pass cannot repair, per ``TE_GQA_FIX_GUARD``: the bound
+    call for the exact fallback, or None (TE's call; warned once, or raised under strict)."""
+    msg = affected.unrepairable(*entry.dims)  # type: ignore[misc]
+    mode = settings.get("TE_GQA_FIX_GUARD")
+    if msg is None or mode == "off":
         return None
-    q = binder.pick_q(args, kwargs)[0]
-    device_index = _device_index(q)
-    if policy == "auto" and device_index is not None and cudnn_fixed(device_index):
-        # cuDNN >= 9.18 initialises the workspace: nothing to repair, nothing to guard.
-        _counts[_SKIPPED] += 1
-        return None
-    k, v, layout_name, layout, cu_q, cu_kv, pad_q, pad_kv, mask, window, brd = binder.pick_call(
-        args, kwargs
-    )
-    offsets = (cu_q, cu_kv, pad_q, pad_kv)
-    T = _Tensor
-    key: Optional[tuple] = None
-    if type(q) is T and type(k) is T and type(v) is T and type(cu_q) is T and type(cu_kv) is T:
-        if pad_q is None:
-            meta_pq: object = None
-        elif type(pad_q) is T:
-            meta_pq = (pad_q.dtype, pad_q.shape, pad_q.get_device())
-        else:
-            meta_pq = T
-        if pad_kv is None:
-            meta_pk: object = None
-        elif pad_kv is pad_q:  # TE's context-parallel paths pass one tensor for both
-            meta_pk = True
-        elif type(pad_kv) is T:
-            meta_pk = (pad_kv.dtype, pad_kv.shape, pad_kv.get_device())
-        else:
-            meta_pk = T
-        if meta_pq is not T and meta_pk is not T:
-            key = (
-                policy, layout_name, layout, mask,
-                tuple(window) if type(window) is list else window, brd,
-                q.shape, device_index, k.shape, k.get_device(), v.shape, v.get_device(),
-                cu_q.dtype, cu_q.shape, cu_q.get_device(),
-                cu_kv.dtype, cu_kv.shape, cu_kv.get_device(), meta_pq, meta_pk,
+    if mode == "strict":
+        raise affected.UnrepairableConfiguration(msg)
+    if mode == "fallback":
+        call = sig.bind(args, kwargs)
+        why = fallback.why_not(call)
+        if why is None:
+            log_once(
+                ("fallback", entry.dims), logging.WARNING,
+                "%s te-gqa-fix computes this backward exactly with PyTorch's FlashAttention-2 "
+                "kernels instead (slower than a fixed cuDNN; TE_GQA_FIX_CUDNN=auto is the faster "
+                "remedy)", msg,
             )  # fmt: skip
-    plan = None
-    if key is not None:
-        try:
-            plan = cache.get(key)
-        except TypeError:  # an unhashable argument: decide without the cache
-            key = None
-    if plan is None:
-        plan = _decide(binder, args, kwargs, policy, device_index, q, layout_name, layout, offsets)
-        if plan is None:
-            return None
-        if key is not None:
-            if len(cache) >= _MAX_PLANS:
-                cache.clear()
-            cache[key] = plan
-    elif plan.guard is not None:
-        check_head_dims(*plan.guard)
-    if not plan.fix:
-        _counts[_SKIPPED] += 1
+            return call
+        msg = f"{msg} The exact fallback cannot serve this call: {why}."
+    log_once(("unrepairable", entry.dims, msg), logging.WARNING, "%s", msg)
+    return None
+
+
+def _out_key(dq: object, dk: object, dv: object) -> Optional[tuple]:
+    """What a launch plan depends on in the outputs; None for anything but plain tensors."""
+    T = _Tensor
+    if type(dk) is not T or type(dv) is not T or (dq is not None and type(dq) is not T):
         return None
-    return plan, offsets
+    key = (dk.shape, dk.stride(), dk.dtype, _where(dk), dv.shape, dv.stride(), dv.dtype, _where(dv))
+    return key if dq is None else (*key, dq.shape, dq.stride(), dq.dtype, _where(dq))
 
 
-def _apply(plan: _Decision, offsets: tuple, out: object) -> None:
-    """Zero the dead rows of TE's outputs: the kernel's cached launch, else the PyTorch
-    post-pass (no kernel, kernel declined, ``TE_GQA_FIX_VALIDATE`` on)."""
-    if not isinstance(out, (list, tuple)) or len(out) < 3:
-        _passthrough(
-            ("output", type(out).__name__),
-            "fused_attn_bwd returned %s, not (dq, dk, dv, ...)",
-            type(out).__name__,
-        )
-        return
-    dq = out[0] if plan.fix_q else None
+def _postpass(entry: _Entry, offsets: tuple, out: Any) -> bool:
+    """Zero the dead rows of ``out`` (TE's or the fallback's); False when not understood."""
+    if type(out) not in (list, tuple) or len(out) < 3:
+        kind = type(out).__name__
+        _passthrough(("output", kind), "fused_attn_bwd returned %s, not (dq, dk, dv, ...)", kind)
+        return False
+    dq = out[0] if entry.fix_q else None
     dk, dv = out[1], out[2]
-    launches = plan.launches
-    # The common case in one call: the launch cache (it also raises recorded offset
-    # errors first). Deep validation (then the kernel after the checks) and a declined
-    # launch (then PyTorch) take the general entry.
-    if launches is not None and not deep_validation_enabled():
-        if launches.launch(dq, dk, dv, offsets, plan.span):
-            _counts[_FIXED] += 1
-            return
-        launches = None
-    zero_dead_rows_prechecked(dq, dk, dv, offsets, plan.span, launches)
-    _counts[_FIXED] += 1
-
-
-#: What the fast lane reads from a call, in this order (see _Lane).
-_LANE_ARGS = (
-    "q", "k", "v", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded",
-    "cu_seqlens_kv_padded", "attn_mask_type", "window_size", "qkv_layout",
-    "bottom_right_diagonal", "dqkv_layout",
-)  # fmt: skip
-_LANE_REQUIRED = 10  # the first ten; the last two are absent from older TE signatures
-#: The same for a call with keyword arguments (TE's context-parallel call sites), read
-#: by the binder's picker: TE's layout rule (``layout_name``: which of the two layout
-#: arguments was given, and ``layout``: its value) in the two layout slots. A learned
-#: entry of a positional call has a layout there, never ``"qkv_layout"`` or
-#: ``"dqkv_layout"``, so the two kinds of key cannot meet.
-_LANE_ARGS_BY_NAME = (*_LANE_ARGS[:9], "layout_name", "bottom_right_diagonal", "layout")
-
-
-class _Lane:
-    """The wrapper's fast lane: a call shape already decided, checked and launched once
-    is served from one dict, keyed on the call's metadata, without the general path.
-
-    Why: the general path resolves the policy, the decision, the launch plan and the
-    direct launch in separate steps (each with its own lookups, each reading the same
-    tensors' metadata again): about 7 us of Python per call in benchmarks/host_cpu.py,
-    on a budget of 15 us that also holds the kernel launch. TE calls ``fused_attn_bwd``
-    with every argument by position (its context-parallel paths: the first twelve by
-    position, the rest by keyword), the same shapes on every layer and step: the lane
-    takes both.
-
-    Where te_gqa_fix.c_launch's module is loaded (Triton 3.5/3.6, a C compiler), the lane
-    runs in C (``lane`` in c_launch.c): the same checks in the same order on the same
-    objects, TE's call, then ``serve``, reading :attr:`c_state`. It answers "nothing done"
-    (:data:`_MISS`: this Python lane then runs as before) or, having called TE, hands a
-    call ``serve`` declined back as an :class:`_AfterTE` to :func:`_finish`, the Python
-    after TE's call that this lane also runs.
-
-    Per call it checks, in order: ``TE_GQA_FIX`` and ``TE_GQA_FIX_VALIDATE`` are the
-    very values it last read (any change clears the lane); q, k, v and the four offsets
-    are plain tensors, q on CUDA; the fixed-cuDNN pass-through; the key (every input
-    fact the general path's decision depends on, plus the offsets' contiguity); the
-    head-dim guard decided with nothing to say. After TE's call: the outputs' key equals
-    the one recorded (:func:`te_gqa_fix.triton_postpass.output_key`), no bad offsets are
-    pending and the kernel has not been given up; then it launches through
-    :func:`te_gqa_fix.triton_postpass._run`, the one direct launch. (The C lane's
-    ``serve`` makes the same checks; on the H200 the work right after TE's call costs
-    about twice what it costs back to back: benchmarks/wake_split.py.) Anything else takes
-    the general path, which also records what the lane may serve next time; outputs of
-    new metadata go to the general post-pass and are recorded as well.
-    """
-
-    __slots__ = ("c_state", "entries", "env", "need", "pick", "pick_by_name", "snap")
-
-    def __init__(self, binder: _Args, original: Callable) -> None:
-        positions = [binder.positions.get(n) for n in _LANE_ARGS]
-        self.env = env_mapping()
-        if self.env is None or any(i is None for i in positions[:_LANE_REQUIRED]):
-            raise LookupError("no fast lane for this signature")
-        # An argument this TE does not have reads the mask's position again: a
-        # duplicate in the key, never a tensor (a tensor would make every key new).
-        mask_at = positions[_LANE_ARGS.index("attn_mask_type")]
-        at = [mask_at if i is None else i for i in positions]
-        self.pick = operator.itemgetter(*at)
-        self.need = max(i for i in positions if i is not None) + 1
-        self.pick_by_name = binder.picker(_LANE_ARGS_BY_NAME)
-        #: call-shape key -> (decision, guard key, output key, launch plan)
-        self.entries: Dict[tuple, tuple] = {}
-        #: [lane on (None: settings never read), raw TE_GQA_FIX, raw TE_GQA_FIX_VALIDATE,
-        #:  policy is auto], as last read by :meth:`refresh`
-        self.snap: List[Any] = [None, None, None, False]
-        #: What the C lane reads, in the order of ``S_*`` in c_launch.c: this lane's
-        #: containers (never rebound), the modules' globals (read by name per call, as
-        #: here), and the functions whose answers it reads itself while this module's
-        #: globals still name them (tests replace them).
-        self.c_state = (
-            self.snap, *self.env, tuple(at), self.need, self.pick_by_name, self.entries,
-            globals(), *_C_READS, vars(_guard_module), vars(_tp), original, _MISS, _AfterTE,
-        )  # fmt: skip
-
-    def refresh(self) -> None:
-        """Re-read both settings if either changed since the last read (then forget
-        every entry). The lane is on unless the policy is ``off`` or validation is on."""
-        data, key_policy, key_validate = self.env  # type: ignore[misc]
-        raw_policy, raw_validate = data.get(key_policy), data.get(key_validate)
-        snap = self.snap
-        if snap[1] is raw_policy and snap[2] is raw_validate and snap[0] is not None:
-            return
-        self.entries.clear()
-        policy = get_policy()
-        on = policy != "off" and not deep_validation_enabled()
-        snap[:] = [on, raw_policy, raw_validate, policy == "auto"]
-
-    def learn(self, key: tuple, plan: _Decision, offsets: tuple, out: object) -> None:
-        """Record what this call did, if the lane can do the same next time: the post-pass
-        by the kernel's armed direct launch, on contiguous offsets."""
-        launches = plan.launches
-        if not plan.fix or launches is None or not isinstance(out, (list, tuple)):
-            return
-        if len(out) < 3 or not all(o.is_contiguous() for o in offsets):
-            return
-        okey = _tp.output_key(out[0] if plan.fix_q else None, out[1], out[2])
-        launch = None if okey is None else launches.direct(okey)
-        if launch is None:
-            return
-        if len(self.entries) >= _MAX_PLANS:
-            self.entries.clear()
-        self.entries[key] = (plan, plan.guard, okey, launch)
-
-
-def _new_lane(binder: Optional[_Args], original: Callable) -> Optional[_Lane]:
-    try:
-        return None if binder is None else _Lane(binder, original)
-    except LookupError:
-        return None
-
-
-#: The C lane's answer "nothing done": the Python lane runs.
-_MISS = object()
-
-
-class _AfterTE(tuple):
-    """The C lane's answer for a call it made TE's call for but did not finish (``serve``
-    declined or failed): ``(out, key, entry, exception or None, cu_q, cu_kv, pad_q,
-    pad_kv)``, finished by :func:`_finish`."""
-
-    __slots__ = ()
-
-
-def _finish(
-    lane: _Lane, key: tuple, entry: tuple, out: Any, offsets: Tuple[Any, Any, Any, Any]
-) -> Any:
-    """The fast lane after TE's call, in Python: TE's outputs checked against the
-    recorded output key, no bad offsets pending, then the direct launch; anything else
-    (new output metadata, a given-up kernel) through the general post-pass, recorded."""
-    plan, _, okey, launch = entry
-    if type(out) in _SEQUENCES and len(out) > 2:
-        dq = out[0] if plan.fix_q else None
-        dk, dv = out[1], out[2]
-        if _tp.output_key(dq, dk, dv) == okey and not _tp._broken:
-            words = launch.words
-            if not (words[0] | words[1]):
-                try:
-                    _tp._run(launch, (dk if dq is None else dq, dk, dv, *offsets))
-                    _counts[_FIXED] += 1
-                    return out
-                except Exception as exc:
-                    _tp._give_up(exc)
-    _apply(plan, offsets, out)
-    lane.learn(key, plan, offsets, out)  # new outputs' plan
-    return out
+    key = _out_key(dq, dk, dv)
+    if key is None or key != entry.out_key:
+        check_metadata(dq, dk, dv, *offsets)  # once per output metadata
+        span = entry.span
+        entry.plan = None if key is None else postpass.kernel_plan(dq, dk, dv, offsets, span)  # type: ignore[arg-type]
+        entry.out_key = key
+    postpass.run(dq, dk, dv, offsets, entry.span, entry.plan)  # type: ignore[arg-type]
+    return True
 
 
 def _new_wrapper(original: Callable) -> Callable:
-    """Wrap TE's ``fused_attn_bwd``: same call, same return object, dead rows zeroed.
-
-    Uncached: callers go through :func:`wrapper_for`, so that patch sites and the drop-in
-    share one wrapper per original.
-
-    Idempotent: wrapping a wrapper returns it unchanged. ``__wrapped__`` is the original.
-    """
-    if is_wrapper(original):
-        return original
-    cache: Dict[tuple, _Decision] = {}
     try:
-        binder: Optional[_Args] = _Args(original)
+        sig: Optional[_Signature] = _Signature(original)
+        reason = ""
     except (TypeError, ValueError) as exc:
-        binder = None
-        reason = str(exc)
-
-    lane = _new_lane(binder, original)
-    if lane is not None:
-        entries, snap, pick, need = lane.entries, lane.snap, lane.pick, lane.need
-        pick_by_name, c_state = lane.pick_by_name, lane.c_state
-        data, key_policy, key_validate = lane.env  # type: ignore[misc]
+        sig, reason = None, str(exc)
+    cache: Dict[tuple, _Entry] = {}
 
     @functools.wraps(original)
     def fused_attn_bwd(*args: Any, **kwargs: Any) -> Any:
-        # The fast lane in C, where its module is loaded (see _Lane).
-        c_lane = _tp._c_lane
-        if c_lane is not None and lane is not None:
-            done = c_lane(c_state, args, kwargs)
-            if type(done) is not _AfterTE:
-                if done is not _MISS:
-                    return done
-            else:
-                out, key, entry, exc = done[:4]
-                if exc is not None:
-                    _tp._fast_failed(exc)
-                return _finish(lane, key, entry, out, done[4:])  # type: ignore[arg-type]
         _counts[_CALLS] += 1
-        if binder is None:
-            _passthrough(
-                ("signature", id(original)),
-                "cannot read the signature of %r (%s)",
-                original,
-                reason,
-            )
+        policy = settings.get("TE_GQA_FIX")
+        if policy == "off":
+            _counts[_SKIPPED] += 1
             return original(*args, **kwargs)
-        key = None
-        # The fast lane (see _Lane): all in this one frame, since every call and
-        # lookup costs on a path TE takes once per layer and step.
-        if lane is not None and snap[0]:
-            if data.get(key_policy) is snap[1]:
-                if data.get(key_validate) is snap[2]:
-                    q, k, v, cu_q, cu_kv, pad_q, pad_kv, mask, window, lay, brd, dlay = (
-                        pick(args)
-                        if not kwargs and len(args) >= need
-                        else pick_by_name(args, kwargs)
-                    )
-                    T = _Tensor
-                    if (
-                        type(q) is T and type(k) is T and type(v) is T and type(cu_q) is T
-                        and type(cu_kv) is T and type(pad_q) is T and type(pad_kv) is T
-                    ):  # fmt: skip
-                        dev = _device_index(q)
-                        if dev is not None:
-                            if snap[3] and cudnn_fixed(dev):
-                                _counts[_SKIPPED] += 1
-                                _counts[_FAST_LANE] += 1
-                                return original(*args, **kwargs)
-                            key = (
-                                lay, dlay, mask, window, brd, dev, q.shape, k.shape,
-                                k.get_device(), v.shape, v.get_device(),
-                                cu_q.dtype, cu_q.shape, cu_q.get_device(), cu_q.is_contiguous(),
-                                cu_kv.dtype, cu_kv.shape, cu_kv.get_device(),
-                                cu_kv.is_contiguous(), pad_q.dtype, pad_q.shape,
-                                pad_q.get_device(), pad_q.is_contiguous(), pad_kv is pad_q,
-                                pad_kv.dtype, pad_kv.shape, pad_kv.get_device(),
-                                pad_kv.is_contiguous(),
-                            )  # fmt: skip
-                            try:
-                                entry = entries.get(key)
-                            except TypeError:  # an unhashable argument: the general path
-                                entry = key = None
-                            if entry is not None and (
-                                entry[1] is None or _guard_decisions.get(entry[1], 0) is None
-                            ):
-                                _counts[_FAST_LANE] += 1
-                                out = original(*args, **kwargs)
-                                return _finish(lane, key, entry, out, (cu_q, cu_kv, pad_q, pad_kv))
-        if lane is not None:
-            lane.refresh()
-        decided = _prepare(binder, args, kwargs, cache)
-        out = original(*args, **kwargs)
-        if decided is not None:
-            _apply(decided[0], decided[1], out)
+        if sig is None:
+            msg = "cannot read the signature of %r (%s)"
+            _passthrough(("signature", id(original)), msg, original, reason)
+            return original(*args, **kwargs)
+        picked = sig.pick(args, kwargs)
+        dev = _device_index(picked[0])
+        if policy == "auto" and dev is not None and affected.cudnn_fixed(dev):
+            _counts[_SKIPPED] += 1  # a fixed cuDNN: nothing to repair, nothing to guard
+            return original(*args, **kwargs)
+        key = _call_key(policy, dev, picked)
+        try:
+            entry = None if key is None else cache.get(key)
+        except TypeError:  # an unhashable argument: decide without the cache
+            key, entry = None, None
+        if entry is None:
+            entry = _decide(policy, dev, picked)
+            if entry is None:
+                return original(*args, **kwargs)
             if key is not None:
-                lane.learn(key, decided[0], decided[1], out)  # type: ignore[union-attr]
+                if len(cache) >= _MAX_ENTRIES:
+                    cache.clear()
+                cache[key] = entry
+        call = None if entry.dims is None else _guard(entry, sig, args, kwargs)
+        if call is not None:
+            out = fallback.exact_backward(call)
+            if _postpass(entry, picked[3:7], out):
+                _counts[_FALLBACK] += 1
+            return out
+        out = original(*args, **kwargs)
+        if not entry.fix:
+            _counts[_SKIPPED] += 1
+        elif _postpass(entry, picked[3:7], out):
+            _counts[_FIXED] += 1
         return out
 
     setattr(fused_attn_bwd, MARKER, True)
@@ -644,42 +305,22 @@ def _new_wrapper(original: Callable) -> Callable:
 
 
 _wrappers: Dict[int, Callable] = {}
-_te_module: Optional[ModuleType] = None
 
 
 def wrapper_for(original: Callable) -> Callable:
-    """The one wrapper of ``original`` (cached, so patch sites and the drop-in share it)."""
+    """The one wrapper of ``original`` (cached: patch sites and the drop-in share it).
+
+    Args:
+        original: TE's ``fused_attn_bwd`` (or a function of the same signature).
+
+    Returns:
+        A function with the same signature that returns what ``original`` returns, after
+        zeroing in place every row whose true gradient is 0 (see the README's settings).
+    """
     original = unwrap(original)
     cached = _wrappers.get(id(original))
     if cached is not None and cached.__wrapped__ is original:  # type: ignore[attr-defined]
         return cached
-    wrapper = _new_wrapper(original)
-    _wrappers[id(original)] = wrapper
-    logger.debug(
-        "te_gqa_fix: wrapped %s.%s",
-        getattr(original, "__module__", "?"),
-        getattr(original, "__qualname__", "?"),
-    )
+    wrapper = _wrappers[id(original)] = _new_wrapper(original)
+    logger.debug("te_gqa_fix: wrapped %s", getattr(original, "__qualname__", original))
     return wrapper
-
-
-def fused_attn_bwd(*args: Any, **kwargs: Any) -> Any:
-    """Drop-in for ``transformer_engine.pytorch.cpp_extensions.fused_attn.fused_attn_bwd``.
-
-    Takes exactly what the installed TE's function takes (TE 2.8 to 2.20, positional or
-    keyword), calls it unchanged and returns what it returned, after zeroing in place
-    every dK/dV (and dQ) row whose true gradient is 0 on THD layouts with h_q != h_kv
-    (``TE_GQA_FIX=always``: MHA too; ``off``: pure pass-through). No host sync.
-
-    Raises ImportError (with how to install) when Transformer Engine is missing.
-    """
-    global _te_module
-    if _te_module is None:
-        from .te_compat import import_fused_attn_module
-
-        _te_module = import_fused_attn_module()
-    from .te_compat import find_original
-
-    wrapper = wrapper_for(find_original(_te_module))
-    fused_attn_bwd.__wrapped__ = wrapper.__wrapped__  # type: ignore[attr-defined]
-    return wrapper(*args, **kwargs)

@@ -6,8 +6,8 @@ symbol wins), so its tests load real ELF files: each fake build is ``libcudnn.so
 seven sub-libraries, compiled with the machine's C compiler, laid out like a wheel
 (``nvidia/cudnn/lib`` + ``include/cudnn_version.h`` + an ``nvidia_cudnn_cu13-*.dist-info``)
 or like a system install (``libcudnn.so.9.14.0``). Loading happens in subprocesses only,
-with the one fake TE (``fakes.te_package.write_fake_te(..., cudnn_version=None)``) loading
-the "system" build the way TE's loader does.
+with the one fake TE, torch-free (:func:`loader_te`), loading the "system" build the way
+TE's loader does.
 """
 
 from __future__ import annotations
@@ -97,3 +97,17 @@ def wheel_build(
 def system_build(root: Path, version: Tuple[int, int, int]) -> Path:
     """A system-style build: ``root/lib/libcudnn.so.9.14.0`` with ``.so.9`` links."""
     return write_libs(root / "lib", version, suffix=".".join(map(str, version)))
+
+
+def loader_te(root: Path) -> Path:
+    """The one fake TE (``fakes.te_package``) as the route's tests need it: importing
+    ``transformer_engine`` loads ``$FAKE_TE_SYSTEM_CUDNN`` by path, as TE's loader does, and
+    ``get_cudnn_version`` reports what the global scope binds to. Its ``pytorch`` package
+    imports nothing more, so a fresh interpreter never loads torch (the route is about the
+    loader alone) and starts in a fraction of a second."""
+    from fakes import te_package
+
+    te_package.write_fake_te(root, cudnn_version=None)
+    init = root / "transformer_engine" / "pytorch" / "__init__.py"
+    init.write_text("from .utils import get_cudnn_version  # noqa: F401\n")
+    return root

@@ -1,31 +1,56 @@
-"""Run one check of a test file in a child process under the Triton interpreter.
+"""Run a test file's kernel checks in one child process under the Triton interpreter.
 
-``TRITON_INTERPRET`` is read when Triton is imported, so the kernel checks on CPU run in
-a fresh process: the test file itself, as a script, with the check's name as argument.
+``TRITON_INTERPRET`` is read when Triton decorates a kernel, and Tritons without
+triton-lang/triton#8735 leave ``triton.language`` patched after an interpreted run, which
+breaks compiled kernels later in the same process. So the checks run in a fresh process: the test file itself, as a script
+that calls :func:`worker_main`, all its checks in one go (one torch and Triton import).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
+import traceback
 from pathlib import Path
+from typing import Callable, Dict, Mapping
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_worker(test_file: str, check: str) -> subprocess.CompletedProcess:
-    """``python test_file check`` with ``TRITON_INTERPRET=1`` and ``src``/``tests`` on the path."""
-    env = dict(os.environ)
+def run_checks(test_file: str, out_dir: Path) -> Dict[str, dict]:
+    """``python test_file OUT`` with ``TRITON_INTERPRET=1``: ``{check: {"ok", "error",
+    "seconds"}}`` as the worker wrote it. Raises AssertionError when the worker crashed."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TE_GQA_FIX")}
     env["TRITON_INTERPRET"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(ROOT / "src"), str(ROOT / "tests"), env.get("PYTHONPATH", "")) if p
     )
-    return subprocess.run(
-        [sys.executable, str(Path(test_file).resolve()), check],
+    out = out_dir / "results.json"
+    proc = subprocess.run(
+        [sys.executable, str(Path(test_file).resolve()), str(out)],
         env=env,
         cwd=str(ROOT),
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=600,
     )
+    assert proc.returncode == 0 and out.exists(), f"worker died:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(out.read_text())
+
+
+def worker_main(checks: Mapping[str, Callable[[], None]]) -> None:
+    """The child's side: run every check, record pass/fail and traceback, write JSON."""
+    results = {}
+    for name, check in checks.items():
+        start, cpu = time.perf_counter(), time.process_time()
+        try:
+            check()
+            results[name] = {"ok": True, "error": ""}
+        except BaseException:  # every failure is reported, the next check still runs
+            results[name] = {"ok": False, "error": traceback.format_exc()}
+        results[name]["seconds"] = round(time.perf_counter() - start, 2)
+        results[name]["cpu"] = round(time.process_time() - cpu, 2)
+    Path(sys.argv[1]).write_text(json.dumps(results, indent=1))

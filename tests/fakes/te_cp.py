@@ -3,7 +3,7 @@
 TE 2.20.2's names where ``cp_check.py`` and te-gqa-fix touch them: ``DotProductAttention``
 (constructor, ``set_context_parallel_group``, THD forward), ``_attention_backends`` and
 ``get_thd_partitioned_indices`` (DualChunkSwap). The attention gathers the full batch from
-the CP group, computes it exactly with ``te_gqa_fix.reproduce.reference_attention`` (the one
+the CP group, computes it exactly with ``te_gqa_fix.testing.reference_attention`` (the one
 fp32 reference), keeps this rank's rows, and hands its gradients to ``fused_attn_bwd`` as
 bound in TE's ``context_parallel`` module, so ``te_gqa_fix.install()`` must rebind it there
 for the post-pass to run. It says nothing about the real TE.
@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from te_gqa_fix.reproduce import ThdBatch, reference_attention
+from te_gqa_fix.testing import ThdBatch, reference_attention
 
 from .te_package import CONSUMERS, Precomputed
 

@@ -22,7 +22,7 @@ is :func:`original_body`, which runs one of two kernels:
 
 * ``"stale"``: :data:`BACKEND` (``te_outputs.FakeBackend``), stale values in every row, kept
   bit-exactly so a test can tell kept rows from zeroed ones (in-process tests only).
-* ``"reference"``: the exact gradients from ``te_gqa_fix.reproduce.reference_attention`` (the
+* ``"reference"``: the exact gradients from ``te_gqa_fix.testing.reference_attention`` (the
   one fp32 reference), then the bug: with GQA, 1000 x group size in every dK/dV row no query
   reaches (rows of sequences without queries, padding, tail); ``bug="broken"`` also adds 1.0
   to live dK rows (damage no post-pass can repair), ``bug="healthy"`` adds nothing.
@@ -116,7 +116,7 @@ def unreached_kv_rows(
 
 def reference_kernel(args: Dict[str, Any], bug: str) -> list:
     """Exact gradients (fp32 reference), then the bug's stale rows."""
-    from te_gqa_fix.reproduce import ThdBatch, reference_attention
+    from te_gqa_fix.testing import ThdBatch, reference_attention
 
     q, k, v = args["q"], args["k"], args["v"]
     assert args["qkv_layout"] == "thd_thd_thd", args["qkv_layout"]
@@ -173,7 +173,7 @@ def forward_body(arguments: Dict[str, Any], config: Dict[str, Any]) -> Tuple[Any
 
 # ----------------------------------------------------------------------------- sources
 
-# fused_attn_fwd: the parameters te_gqa_fix.reproduce passes, by release (not verbatim).
+# fused_attn_fwd: the parameters te_gqa_fix.testing passes, by release (not verbatim).
 _FWD_PARAMS = {
     "2.8": "",
     "2.20": "o_format='sbhd', bottom_right_diagonal=None, ",

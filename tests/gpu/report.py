@@ -1,439 +1,538 @@
-"""Summarise a GPU validation run into markdown (docs/validation.md is made by this).
+"""docs/validation.md from one data file, docs/data/validation.jsonl.
 
-Two steps, so that a run is committed as one data file plus the page made from it:
+``collect`` merges one GPU run's raw outputs into the data file (one JSON record a line:
+the records the GPU tests append under ``TE_GQA_FIX_RECORD``, each tagged with its cuDNN
+build, plus pytest's outcomes, doctor's verdict, the context-parallel check, the examples
+and the Megatron-Core check). ``render`` writes the page from it; ``--check`` fails when
+the committed page is not what the data file gives.
 
-* ``collect``: merge what ``tests/gpu/run_validation.sh`` (and ``run_all.sh``) wrote, for each
-  cuDNN build ``records-<build>.jsonl`` (one JSON line per case, plus one describing the
-  stack), ``junit-<build>.xml`` (pytest's outcomes), ``doctor-<build>.json``, and from the
-  extra folder the context-parallel results, the examples' output and doctor's text, into
-  one JSON file (``run.json``).
-* ``render``: that file to markdown. Nothing here is typed by hand: every number comes
-  from the data file.
-
-    python tests/gpu/report.py collect RESULTS_DIR [--extra EXTRA_DIR] --command "..." -o run.json
-    python tests/gpu/report.py render run.json > docs/validation.md
+    python tests/gpu/report.py collect --tests RES [--extra DIR] [--megatron DIR] -o DATA
+    python tests/gpu/report.py render [DATA] [-o PAGE] [--check]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import math
 import sys
 import xml.etree.ElementTree as ET
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
-FORMAT = 1
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "docs" / "data" / "validation.jsonl"
+PAGE = ROOT / "docs" / "validation.md"
+BUILDS = {
+    "system": "the machine's cuDNN, which TE loads by default",
+    "pip": "the cuDNN wheel torch ships, which TE loads through `CUDNN_HOME` and the loader path",
+    "route": "`system` with `TE_GQA_FIX_CUDNN=auto` through the installed start-up hook",
+}
+EXAMPLES = ("seed_repro", "drop_in", "context_parallel")
+GRADS = ("dq", "dk", "dv")
+Rec = Dict[str, Any]
 
 
-def _jsonl(path: Path) -> List[Dict[str, Any]]:
+# ----------------------------------------------------------------------------- collect
+
+
+def _compact(v: Any) -> Any:
+    """Floats to 4 significant digits, recursively: the page shows 3."""
+    if isinstance(v, float) and math.isfinite(v):
+        return float(f"{v:.4g}")
+    if isinstance(v, dict):
+        return {k: _compact(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_compact(x) for x in v]
+    return v
+
+
+def _jsonl(path: Path) -> List[Rec]:
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
 
 
-def _junit(path: Path) -> Dict[str, Any]:
-    counts = {"passed": 0, "failed": 0, "error": 0, "skipped": 0, "xfailed": 0, "xpassed": 0}
-    failures: List[str] = []
-    outcomes: Dict[str, str] = {}
-    if not path.exists():
-        return {"counts": counts, "failures": ["(no junit file)"], "outcomes": outcomes}
+def junit_outcomes(path: Path) -> Dict[str, Any]:
+    """``{test id: (outcome, message)}`` from pytest's junit XML."""
+    out: Dict[str, Any] = {}
     for case in ET.parse(path).getroot().iter("testcase"):
-        name = f"{case.get('classname', '')}::{case.get('name', '')}"
+        name = case.get("classname", "").replace(".", "/") + ".py::" + case.get("name", "")
+        name = name.split("tests/gpu/", 1)[-1]
         kids = {c.tag: c for c in case}
-        if "failure" in kids:
-            outcome = "failed"
-            failures.append(name + ": " + (kids["failure"].get("message") or "")[:300])
-        elif "error" in kids:
-            outcome = "error"
-            failures.append(name + ": " + (kids["error"].get("message") or "")[:300])
-        elif "skipped" in kids:
-            msg = kids["skipped"].get("type", "") + (kids["skipped"].get("message") or "")
-            outcome = "xfailed" if "xfail" in msg else "skipped"
-        else:
-            outcome = "passed"
-        counts[outcome] += 1
-        outcomes[name] = outcome
-    return {"counts": counts, "failures": failures, "outcomes": outcomes}
+        outcome, msg = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            if tag in kids:
+                msg = (kids[tag].get("message") or "")[:200]
+                outcome = "failed" if tag == "failure" else tag
+                if tag == "skipped" and "xfail" in kids[tag].get("type", "") + msg:
+                    outcome = "xfailed"
+        out[name] = (outcome, msg)
+    return out
 
 
-def _text(path: Path) -> Optional[str]:
-    return path.read_text() if path.exists() else None
+def pytest_record(build: str, outcomes: Dict[str, Any]) -> Rec:
+    counts = Counter(o for o, _ in outcomes.values())
+    others = [{"test": t, "outcome": o, "message": m} for t, (o, m) in outcomes.items()]
+    return {
+        "kind": "pytest",
+        "build": build,
+        "counts": {
+            k: counts.get(k, 0) for k in ("passed", "failed", "error", "xfailed", "skipped")
+        },
+        "not_passed": [r for r in others if r["outcome"] != "passed"],
+    }
+
+
+def doctor_record(build: str, doc: Dict[str, Any]) -> Rec:
+    keep = ("status", "exit_code", "advice")
+    return {"kind": "doctor", "build": build, **{k: doc.get(k) for k in keep}}
+
+
+def cp_records(build: str, data: Dict[str, Any]) -> List[Rec]:
+    """One compact record per configuration of ``tests/multigpu/cp_check.py``'s results."""
+    stack = {k: v for k, v in data.get("stack", {}).items() if k != "cudnn_files"}
+    out: List[Rec] = [{"kind": "stack", "part": "cp", "build": build, **stack}]
+    for r in data.get("records", []):
+        err, bound = r.get("err_vs_fp32") or {}, r.get("bound") or {}
+        ratios = [err[g] / bound[g] for g in GRADS if bound.get(g) and g in err]
+        pad = r.get("pad_rows_max_abs") or {}
+        out.append(
+            {
+                "kind": "cp",
+                "build": build,
+                **{k: r.get(k) for k in ("cp_comm_type", "heads_q", "heads_kv", "shape", "mode")},
+                "status": r.get("status"),
+                "err_over_bound": max(ratios) if ratios else None,
+                "pad_rows_max": max((pad.get(g, 0.0) for g in ("dk", "dv")), default=None),
+            }
+        )
+    return out
+
+
+def example_record(build: str, name: str, log: str) -> Rec:
+    """The example's exit status (``run_all.sh`` appends ``exit N``) and its verdict line."""
+    lines = [ln for ln in log.splitlines() if ln.strip() and "warn" not in ln.lower()]
+    code = None
+    if lines and lines[-1].startswith("exit "):
+        code = int(lines.pop()[5:])
+    return {
+        "kind": "example",
+        "build": build,
+        "name": name,
+        "exit": code,
+        "result": lines[-1][:300] if lines else "",
+    }
+
+
+def _megatron_check():
+    path = ROOT / "tests" / "multigpu" / "megatron" / "check.py"
+    spec = importlib.util.spec_from_file_location("te_gqa_fix_megatron_check", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+def megatron_record(results: Path, command: str) -> Rec:
+    """What ``tests/multigpu/megatron/check.py`` decides from the runs in ``results``."""
+    check = _megatron_check()
+    runs, logs = check.load_runs(str(results))
+    rep = check.evaluate(runs, logs, 2.0, 4.0)
+    first = runs[sorted(runs)[0]]
+    rows = []
+    for name in sorted(runs):
+        r = runs[name]
+        loss = check.series(r, "loss")
+        gn = [x for x in check.series(r, "grad_norm") if not math.isnan(x)]
+        rows.append(
+            {
+                "run": check.label(name),
+                "cudnn": r.get("stack", {}).get("cudnn_te"),
+                "cp": r.get("config", {}).get("cp"),
+                "fix": check.fix_seen(r, None)["te_sites_wrapped"],
+                "final_loss": loss[-1] if loss else None,
+                "max_grad_norm": max(gn) if gn else None,
+                "nan_steps": sum(1 for s in r.get("steps", []) if s.get("nan")),
+            }
+        )
+    stack = first.get("stack", {})
+    return {
+        "kind": "megatron",
+        "command": command,
+        "date": stack.get("date"),
+        "stack": {k: stack.get(k) for k in ("gpu", "world_size", "torch", "te", "megatron_core")},
+        "config": first.get("config", {}),
+        "runs": rows,
+        "matches": [
+            {
+                "test": m["test"],
+                "ref": m["ref"],
+                "ok": m["ok"],
+                "max_ratio": max(q["max_ratio"] for q in m["quantities"].values()),
+            }
+            for m in rep.get("matches", [])
+        ],
+        "divergence": {check.label(n): d for n, d in rep.get("divergence", {}).items()},
+        "ok": rep["ok"],
+        "problems": rep["problems"],
+    }
 
 
 def collect(
-    res: Path, command: str, builds: List[str], extra: Optional[Path] = None
-) -> Dict[str, Any]:
-    """Everything the page shows, from the files one run wrote, as one JSON-able dict."""
-    data: Dict[str, Any] = {"format": FORMAT, "command": command, "builds": {}}
+    tests: Optional[Path],
+    builds: List[str],
+    command: str,
+    extra: Optional[Path] = None,
+    megatron: Optional[Path] = None,
+    megatron_command: Optional[str] = None,
+) -> List[Rec]:
+    """Every record of one run, in page order."""
+    recs: List[Rec] = [{"kind": "run", "part": "tests", "command": command}]
     for b in builds:
-        doctor = _text(res / f"doctor-{b}.json")
-        data["builds"][b] = {
-            "records": _jsonl(res / f"records-{b}.jsonl"),
-            "pytest": _junit(res / f"junit-{b}.xml"),
-            "doctor": json.loads(doctor) if doctor else None,
-        }
+        if tests is None:
+            break
+        for r in _jsonl(tests / f"records-{b}.jsonl"):
+            if r.get("kind") == "stack":
+                r = {k: v for k, v in r.items() if k != "cudnn_files"}
+                r["part"] = "tests"
+            recs.append({**r, "build": b})
+        if (tests / f"junit-{b}.xml").exists():
+            recs.append(pytest_record(b, junit_outcomes(tests / f"junit-{b}.xml")))
+        if (tests / f"doctor-{b}.json").exists():
+            try:
+                recs.append(doctor_record(b, json.loads((tests / f"doctor-{b}.json").read_text())))
+            except ValueError:
+                recs.append({"kind": "doctor", "build": b, "status": "no JSON"})
     if extra is not None:
-        data["extra"] = {
-            "cp_results": {
-                p.name: json.loads(p.read_text()) for p in sorted(extra.glob("cp_results_cp*.json"))
-            },
-            "cp_summaries": {
-                p.name: p.read_text() for p in sorted(extra.glob("cp_summary_cp*.txt"))
-            },
-            "example_logs": {
-                p.name: p.read_text()
-                for p in sorted(extra.glob("*.log"))
-                if p.name.split("-")[0] in ("seed_repro", "drop_in", "context_parallel")
-            },
-            "doctor_text": {b: _text(extra / f"doctor-{b}.txt") for b in builds},
-        }
-    return data
+        for b in builds:
+            for p in sorted(extra.glob(f"cp_results_cp*_{b}.json")):
+                recs.extend(cp_records(b, json.loads(p.read_text())))
+            for name in EXAMPLES:
+                log = extra / f"{name}-{b}.log"
+                if log.exists():
+                    recs.append(example_record(b, name, log.read_text()))
+    if megatron is not None and any(megatron.glob("*.json")):
+        recs.append(megatron_record(megatron, megatron_command or command))
+    return [_compact(r) for r in recs]
+
+
+def write_jsonl(recs: Iterable[Rec], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+# ----------------------------------------------------------------------------- render
 
 
 def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.3g}"
+    if v is None:
+        return "-"
     if isinstance(v, bool):
         return "yes" if v else "no"
-    return str(v)
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    if isinstance(v, dict):
+        return ", ".join(f"{k} {x}" for k, x in v.items() if x) or "-"
+    return str(v).replace("|", "\\|")
 
 
-def _table(rows: List[Dict[str, Any]], cols: List[str]) -> str:
-    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        out.append("| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |")
-    return "\n".join(out)
+def _short(text: str, n: int = 120) -> str:
+    return f"`{text}`" if len(text) <= n else f"`{text[: n - 3]}...`"
 
 
-def render(data: Dict[str, Any]) -> str:
-    """The markdown page of one run's data file (:func:`collect`)."""
-    builds = list(data["builds"])
-    command = data["command"]
-    lines: List[str] = [
-        "# Validation on the GPU",
-        "",
-        "Generated by `tests/gpu/report.py` from the one data file the run's outputs were merged",
-        "into (pytest's outcomes, one JSON record per test case, doctor's output, the",
-        "context-parallel results), kept under `docs/results/<run>/run.json`; nothing below is",
-        "typed by hand.",
-        "",
-        "Two cuDNN builds on one machine: `system` is what TE loads by default there (9.14,",
-        "affected), `pip` is the copy torch ships (9.19, fixed upstream); `GPU_KIT_CUDNN` picks one",
-        "(see the stack table for what TE actually loaded). `route` is the `system` machine with",
-        "`TE_GQA_FIX_CUDNN=auto` acting through the installed start-up file (te-gqa-fix's wheel",
-        "installed there), which makes TE load the fixed wheel build itself.",
+def _table(head: List[str], rows: List[List[Any]]) -> List[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(_fmt(c) for c in r) + " |" for r in rows]
+    return [*out, ""]
+
+
+def _ratio(r: Rec) -> Optional[float]:
+    """The worst of err/bound over dQ, dK, dV (1 or less: within the bound)."""
+    vals = [r[f"{g}_err"] / r[f"{g}_bound"] for g in GRADS if r.get(f"{g}_bound")]
+    return max(vals) if vals else None
+
+
+def _dead(r: Rec, prefix: str = "") -> Optional[float]:
+    vals = [r[k] for g in GRADS if (k := f"{prefix}{g}_dead_max") in r]
+    return max(vals) if vals else None
+
+
+def _case(r: Rec) -> str:
+    return r["test"].split("::", 1)[1]
+
+
+def _header(recs: List[Rec]) -> List[str]:
+    stacks = [r for r in recs if r["kind"] == "stack"]
+    runs = {r["part"]: r["command"] for r in recs if r["kind"] == "run"}
+    meg = next((r for r in recs if r["kind"] == "megatron"), None)
+    parts: Dict[str, Dict[str, Any]] = {}
+    for s in stacks:
+        p = parts.setdefault(s["part"], {"dates": set(), "gpus": set()})
+        p["dates"].add(str(s.get("date", ""))[:10])
+        p["gpus"].add(s.get("gpu_count") or s.get("world_size") or 1)
+    if meg:
+        parts["megatron"] = {"dates": {str(meg["date"])[:10]}, "gpus": {meg["stack"]["world_size"]}}
+        runs.setdefault("megatron", meg["command"])
+    first = stacks[0] if stacks else {}
+    gpus = max((n for p in parts.values() for n in p["gpus"]), default=1)
+    cudnn = {s["build"]: s.get("cudnn_te") for s in stacks if s["part"] == "tests"}
+    lines = [
+        f"Stack: {first.get('gpu', '?')}, driver {first.get('driver', '?')}, torch "
+        f"{first.get('torch', '?')} (CUDA {first.get('cuda', '?')}), Transformer Engine "
+        f"{first.get('te', '?')}; cuDNN as TE runs it: "
+        + ", ".join(f"{v} (`{b}`)" for b, v in cudnn.items())
+        + ".",
         "",
     ]
-    recs = {b: data["builds"][b]["records"] for b in builds}
-    stacks = {b: next((r for r in recs[b] if r.get("kind") == "stack"), {}) for b in builds}
-    any_stack = next((s for s in stacks.values() if s), {})
-    lines.append(f"Run on: {any_stack.get('date', '')}")
-    lines.append("")
-    lines.append(
-        "Command (GPU machine, repository root, after staging TE with the GPU kit as "
-        "`../shared/gpu-kit/README.md` says), then the report on any machine:"
-    )
-    lines.append("")
-    lines.append("```bash\n" + command + "\n```")
-    lines.append("")
-    lines.append("### Stack")
-    lines.append("")
-    keys = [
-        "gpu",
-        "capability",
-        "driver",
-        "torch",
-        "cuda",
-        "te",
-        "cudnn_te",
-        "cudnn_torch",
-        "cudnn_files",
-        "te_gqa_fix_cudnn",
-    ]
-    lines.append("| | " + " | ".join(builds) + " |")
-    lines.append("|---|" + "---|" * len(builds))
-    for k in keys:
-        vals = []
-        for b in builds:
-            v = stacks[b].get(k, "")
-            if isinstance(v, list):
-                v = "<br>".join(Path(p).name for p in v) or "-"
-            vals.append(str(v))
-        lines.append(f"| {k} | " + " | ".join(vals) + " |")
-    lines.append("")
-    lines.append("### Test outcome (pytest, `-m gpu`)")
-    lines.append("")
-    lines.append("| build | passed | failed | errors | xfailed | skipped |")
-    lines.append("|---|---|---|---|---|---|")
-    junits = {b: data["builds"][b]["pytest"] for b in builds}
-    for b in builds:
-        c = junits[b]["counts"]
-        lines.append(
-            f"| {b} (cuDNN {stacks[b].get('cudnn_te', '?')}) | {c['passed']} | {c['failed']} | "
-            f"{c['error']} | {c['xfailed']} | {c['skipped']} |"
-        )
-    for b in builds:
-        for f in junits[b]["failures"]:
-            lines.append(f"\n- {b}: FAILED `{f}`")
-    lines.append("")
-
-    def cases(b: str, prefix: str) -> List[Dict[str, Any]]:
-        return [
-            r for r in recs[b] if r.get("kind") == "case" and r.get("test", "").startswith(prefix)
-        ]
-
-    lines.append("### Seed reproduction (2 query heads, 1 KV head, d 8, fp16, poisoned block)")
-    lines.append("")
-    rows = []
-    for b in builds:
-        for r in cases(b, "test_seed.py"):
-            rows.append({"build": b, **r})
-    lines.append(
-        _table(
-            rows,
+    dates = sorted({d for p in parts.values() for d in p["dates"]})
+    if len(set(runs.values())) == 1 and len(dates) == 1:
+        where = f"{gpus} GPU" + ("s" if gpus > 1 else "")
+        lines += [f"Command: `{next(iter(runs.values()))}` ({where}). Date: {dates[0]}.", ""]
+    else:
+        rows = [
             [
-                "build",
-                "test",
-                "cudnn",
-                "patched",
-                "dk_dead_max",
-                "dv_dead_max",
-                "dq_err",
-                "dk_err",
-                "dk_bound",
-                "dv_err",
-                "dv_bound",
-            ],
-        )
-    )
-    lines.append("")
-    lines.append("### Exactness sweep (heads x d x dtype x mask x layout)")
-    lines.append("")
-    lines.append(
-        "Unpatched: one call after a poisoned block (sentinel 1000.0). Patched: four calls in a "
-        "row, poisoned and not; the worst of the four is shown. `err/bound` is the largest ratio "
-        "of TE's error against the fp32 reference to the bound (2x the same-precision PyTorch "
-        "error plus 4 ulps); dead rows must be exactly 0."
-    )
-    lines.append("")
-    summary = []
-    for b in builds:
-        sw = cases(b, "test_sweep.py")
-        if not sw:
-            continue
-        by_heads: Dict[str, List[Dict[str, Any]]] = defaultdict(list)
-        for r in sw:
-            by_heads[r["heads"]].append(r)
-        for heads, rs in sorted(by_heads.items()):
-            ratio = max(
-                max(
-                    r[f"{g}_err"] / r[f"{g}_bound"] if r[f"{g}_bound"] else 0.0
-                    for g in ("dq", "dk", "dv")
-                )
-                for r in rs
-            )
-            summary.append(
-                {
-                    "build": f"{b} ({rs[0].get('cudnn')})",
-                    "heads q/kv": heads,
-                    "cases": len(rs),
-                    "corrupted unpatched": sum(bool(r["unpatched_corrupted"]) for r in rs),
-                    "max dead-row value unpatched": max(
-                        max(r["unpatched_dk_dead_max"], r["unpatched_dv_dead_max"]) for r in rs
-                    ),
-                    "exact patched": sum(bool(r["patched_exact"]) for r in rs),
-                    "max dead-row value patched": max(
-                        max(r["dk_dead_max"], r["dv_dead_max"], r["dq_dead_max"]) for r in rs
-                    ),
-                    "worst err/bound patched": ratio,
-                }
-            )
-    lines.append(
-        _table(
-            summary,
-            [
-                "build",
-                "heads q/kv",
-                "cases",
-                "corrupted unpatched",
-                "max dead-row value unpatched",
-                "exact patched",
-                "max dead-row value patched",
-                "worst err/bound patched",
-            ],
-        )
-    )
-    lines.append("")
-    for title, prefix, cols in (
-        (
-            "DotProductAttention end to end (install(), cuDNN backend forced)",
-            "test_dpa.py",
-            [
-                "build",
-                "heads",
-                "unpatched_corrupted",
-                "unpatched_dk_dead_max",
-                "counts",
-                "dq_err",
-                "dq_bound",
-                "dk_err",
-                "dk_bound",
-                "dv_err",
-                "dv_bound",
-                "dk_dead_max",
-            ],
-        ),
-        (
-            "CUDA graphs (capture, replay with new offsets)",
-            "test_graphs.py",
-            [
-                "build",
-                "test",
-                "label",
-                "impl",
-                "corrupted_any",
-                "dk_dead_max",
-                "dv_dead_max",
-                "dq_err",
-                "dk_err",
-                "dv_err",
-                "result",
-            ],
-        ),
-        (
-            "Head dims above 128 (192/256 not repairable by a post-pass on old cuDNN; "
-            "MLA q/k 192 with v 128; the guard's warning)",
-            "test_head_dim.py",
-            [
-                "build",
-                "test",
-                "heads",
-                "d",
-                "d_v",
-                "unrepairable",
-                "exact",
-                "guard_warned",
-                "dq_err",
-                "dq_bound",
-                "dk_err",
-                "dk_bound",
-                "dv_err",
-                "dv_bound",
-            ],
-        ),
-    ):
-        rows = [{"build": b, **r} for b in builds for r in cases(b, prefix)]
-        lines.append(f"### {title}")
-        lines.append("")
-        lines.append(_table(rows, cols) if rows else "(no records)")
-        lines.append("")
-    lines.append("### Megatron-Core training (issue 11)")
-    lines.append("")
-    lines.append(
-        "A separate 2-GPU run, not part of this data file: Megatron-Core 0.19.2 `GPTModel` "
-        "with the TE layer spec, packed THD sequences, GQA 16/4, context parallelism 2, the fix "
-        "only from `TE_GQA_FIX_AUTOPATCH=1`. Command, results and plot: "
-        "[megatron_core.md](megatron_core.md)."
-    )
-    lines.append("")
-    docs = {b: data["builds"][b]["doctor"] for b in builds}
-    if any(d is not None for d in docs.values()):
-        lines.append("### `te-gqa-fix doctor --json` on the same machine")
-        lines.append("")
-        for b, d in docs.items():
-            if d is not None:
-                lines.append(f"{b}:\n\n```json\n{json.dumps(d, indent=2)}\n```\n")
-    if data.get("extra") is not None:
-        lines.extend(_render_extra(data["extra"], builds))
-    return "\n".join(lines) + "\n"
-
-
-def _render_extra(extra: Dict[str, Any], builds: List[str]) -> List[str]:
-    """Context parallelism, examples and doctor's text output (``run_all.sh``)."""
-    lines: List[str] = []
-    summaries = extra["cp_summaries"]
-    if summaries:
-        lines.append("### Context parallelism (`tests/multigpu/cp_check.py` under torchrun)")
-        lines.append("")
-        lines.append(
-            "DotProductAttention(thd, GQA/MQA, padding_causal, bf16, d 128) with "
-            "`set_context_parallel_group`, inputs split by TE's `get_thd_partitioned_indices`; "
-            "output and dQ/dK/dV gathered from all ranks and compared with the same module on "
-            "one GPU and with an fp32 reference. Unpatched runs free a poisoned block between "
-            "forward and backward."
-        )
-        lines.append("")
-        rows = []
-        for name, data in sorted(extra["cp_results"].items()):
-            recs = data.get("records", [])
-            st = data.get("stack", {})
-            for mode in ("unpatched", "patched"):
-                mine = [r for r in recs if r.get("mode") == mode]
-                statuses: Dict[str, int] = defaultdict(int)
-                for r in mine:
-                    statuses[str(r.get("status"))] += 1
-                rows.append(
-                    {
-                        "file": name,
-                        "ranks": st.get("cp_size"),
-                        "cuDNN (TE)": " / ".join(map(str, st["cudnn_te_per_rank"]))
-                        if st.get("cudnn_te_per_rank")
-                        else st.get("cudnn_te"),
-                        "TE_GQA_FIX_CUDNN": st.get("te_gqa_fix_cudnn") or "-",
-                        "mode": mode,
-                        "configs": len(mine),
-                        "outcomes": ", ".join(f"{k}: {v}" for k, v in sorted(statuses.items())),
-                    }
-                )
-        lines.append(
-            _table(
-                rows,
-                ["file", "ranks", "cuDNN (TE)", "TE_GQA_FIX_CUDNN", "mode", "configs", "outcomes"],
-            )
-        )
-        lines.append("")
-        for name, text in sorted(summaries.items()):
-            lines.append(f"`{name}`:\n\n```\n{text.strip()}\n```\n")
-    example_logs = extra["example_logs"]
-    if example_logs:
-        lines.append("### Examples (last lines of each run)")
-        lines.append("")
-        for name, log in sorted(example_logs.items()):
-            text = [ln for ln in log.splitlines() if "warn" not in ln.lower()]
-            lines.append(f"`{name}`:\n\n```\n" + "\n".join(text[-8:]) + "\n```\n")
-    for b in builds:
-        doc = extra["doctor_text"].get(b)
-        if doc is not None:
-            text = [
-                ln
-                for ln in doc.splitlines()
-                if "warn" not in ln.lower() or ln.strip().startswith("!")
+                p,
+                f"`{runs.get(p, runs.get('tests', '?'))}`",
+                ", ".join(sorted(v["dates"])),
+                "/".join(map(str, sorted(v["gpus"]))),
             ]
-            lines.append(f"### `te-gqa-fix doctor` ({b})\n\n```\n" + "\n".join(text) + "\n```\n")
+            for p, v in parts.items()
+        ]
+        lines += _table(["part", "command", "date", "GPUs"], rows)
+    lines += [
+        "Builds: " + "; ".join(f"`{b}`: {t}" for b, t in BUILDS.items() if b in cudnn) + ".",
+        "",
+    ]
     return lines
 
 
+def _section(title: str, text: str, head: str, rows: List[List[Any]]) -> List[str]:
+    """A heading, one paragraph, and a table whose ``head`` is ``"a|b|c"``."""
+    return [f"## {title}", "", *([text, ""] if text else []), *_table(head.split("|"), rows)]
+
+
+def _sweep_rows(sweep: List[Rec], builds: List[str]) -> List[List[Any]]:
+    """Per build and heads: cases, how many were corrupted unpatched and exact patched."""
+    rows = []
+    for b in builds:
+        groups: Dict[str, List[Rec]] = defaultdict(list)
+        for r in sweep:
+            if r["build"] == b:
+                groups[r["heads"]].append(r)
+        for heads in sorted(groups, key=lambda h: [int(x) for x in h.split("/")]):
+            rs = groups[heads]
+            rows.append([
+                b, heads, len(rs), sum(bool(r["unpatched_corrupted"]) for r in rs),
+                max(_dead(r, "unpatched_") or 0.0 for r in rs),
+                sum(bool(r["patched_exact"]) for r in rs),
+                max(_dead(r) or 0.0 for r in rs), max(_ratio(r) or 0.0 for r in rs),
+            ])  # fmt: skip
+    return rows
+
+
+def _head_dim_rows(rule: List[Rec], wrapped: List[Rec], builds: List[str]) -> List[List[Any]]:
+    """One row per build and shape: the three head layouts' outcomes side by side."""
+    rows = []
+    for b in builds:
+        dims = sorted({(r["d"], r["d_v"]) for r in rule + wrapped if r["build"] == b})
+        for d in dims:
+            mine = [r for r in rule if r["build"] == b and (r["d"], r["d_v"]) == d]
+            wrap = [r for r in wrapped if r["build"] == b and (r["d"], r["d_v"]) == d]
+            rows.append([b, f"{d[0]}/{d[1]}", mine[0].get("status") if mine else "-",
+                         "/".join(_fmt(r.get("te_exact")) for r in mine) or "-",
+                         "/".join(_fmt(r.get("exact")) for r in wrap) or "-",
+                         sum(r.get("fallback") or 0 for r in wrap)])  # fmt: skip
+    return rows
+
+
+def _cp_rows(cp: List[Rec], builds: List[str]) -> List[List[Any]]:
+    rows = []
+    for b in builds:
+        for mode in ("unpatched", "patched"):
+            rs = [r for r in cp if r["build"] == b and r["mode"] == mode]
+            worst = [r["err_over_bound"] for r in rs if r["err_over_bound"] is not None]
+            outcomes = Counter(r["status"] for r in rs)
+            if rs:
+                rows.append([b, mode, len(rs), ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())),
+                             max(worst) if worst else None])  # fmt: skip
+    return rows
+
+
+def _megatron(m: Rec) -> List[str]:
+    c, s = m["config"], m["stack"]
+    text = (
+        f"`examples/megatron_core.py` on Megatron-Core {s.get('megatron_core')}: GPTModel with the "
+        f"TE spec, {c.get('layers')} layers, hidden {c.get('hidden')}, GQA {c.get('heads')}/"
+        f"{c.get('groups')}, packed THD, {c.get('steps')} steps; the fix only from "
+        "`TE_GQA_FIX_AUTOPATCH=1`. Tolerance per step: 2x the running max of |c - d| plus 4 "
+        "bf16 ulps (`tests/multigpu/megatron/check.py`)."
+    )
+    keys = ("run", "cudnn", "cp", "fix", "final_loss", "max_grad_norm", "nan_steps")
+    L = _section("Megatron-Core", text, "run|cuDNN|CP|fix active|final loss|max grad norm|NaN steps",
+                 [[r[k] for k in keys] for r in m["runs"]])  # fmt: skip
+    for t in m["matches"]:
+        ok = "matches" if t["ok"] else "**does not match**"
+        L.append(
+            f"- ({t['test']}) against ({t['ref']}): worst err/bound {_fmt(t['max_ratio'])}, {ok}."
+        )
+    for name, d in m["divergence"].items():
+        L.append(f"- {name}: grad norm up to {_fmt(d['max_grad_norm_ratio'])}x that of (c), "
+                 f"first NaN step {_fmt(d['first_nan_step'])}.")  # fmt: skip
+    return [*L, f"- check: {'PASS' if m['ok'] else 'FAIL'}", ""]
+
+
+def render(recs: List[Rec]) -> str:
+    """The page: header, then one section per part of the run that the data file holds."""
+    by: Dict[str, List[Rec]] = defaultdict(list)
+    for r in recs:
+        by[r["kind"]].append(r)
+    stacks = {s["build"]: s for s in by["stack"] if s.get("part") == "tests"}
+    builds = list(stacks) or sorted({r["build"] for r in recs if "build" in r})
+
+    def cases(prefix: str) -> List[Rec]:
+        return [r for r in by["case"] if r.get("test", "").startswith(prefix)]
+
+    L = ["# Validation on the GPU", "",
+         "<!-- Generated by tests/gpu/report.py from docs/data/validation.jsonl; do not edit. -->",
+         "", *_header(recs)]  # fmt: skip
+    doctor = {r["build"]: r for r in by["doctor"]}
+    rows = []
+    for r in by["pytest"]:
+        c, d = r["counts"], doctor.get(r["build"], {})
+        rows.append([r["build"], stacks.get(r["build"], {}).get("cudnn_te"), c["passed"],
+                     c["failed"] + c["error"], c["xfailed"], c["skipped"],
+                     f"{d.get('status', '-')} (exit {d.get('exit_code', '-')})"])  # fmt: skip
+    L += _section("Summary", "`pytest -m gpu` and `te-gqa-fix doctor` on each build.",
+                  "build|cuDNN|passed|failed|xfailed|skipped|doctor", rows)  # fmt: skip
+    not_passed = [f"- `{r['build']}` {t['outcome']}: `{t['test']}`"
+                  for r in by["pytest"] for t in r["not_passed"]]  # fmt: skip
+    L += [*not_passed, ""] if not_passed else []
+
+    L += _section(
+        "Exactness sweep",
+        "`tests/gpu/test_sweep.py`: heads x head dim x dtype x mask x layout. Unpatched: one "
+        "backward after a freed block of 1000.0; patched: four in a row, poisoned and not. Dead "
+        "rows (true gradient 0) must be exactly 0; err/bound is the worst of TE's error against "
+        "fp32 over the bound (2x PyTorch's own error in the same precision plus 4 ulps).",
+        "build|heads q/kv|cases|corrupted unpatched|dead-row max unpatched|exact patched"
+        "|dead-row max patched|worst err/bound",
+        _sweep_rows(cases("test_sweep.py"), builds),
+    )
+    L += _section(
+        "Seed reproduction (TE #2448)",
+        "2 query heads, 1 KV head, d 8, fp16, `cu_seqlens_q` [0, 0, 3], a freed block before "
+        "the backward.",
+        "build|test|patched|dK dead-row max|dV dead-row max|err/bound",
+        [[r["build"], _case(r), _fmt(r.get("patched")), r.get("dk_dead_max"),
+          r.get("dv_dead_max"), _ratio(r)] for r in cases("test_seed.py")],
+    )  # fmt: skip
+    L += _section(
+        "DotProductAttention",
+        "`install()`, cuDNN backend forced, a freed block between forward and backward.",
+        "build|heads|corrupted unpatched|dK dead-row max unpatched|wrapper calls"
+        "|dead-row max patched|err/bound",
+        [[r["build"], r.get("heads") or _case(r), r.get("unpatched_corrupted"),
+          r.get("unpatched_dk_dead_max"), _fmt(r.get("counts")), _dead(r), _ratio(r)]
+         for r in cases("test_dpa.py")],
+    )  # fmt: skip
+    rows = []
+    for r in cases("test_graphs.py"):
+        dead = max(r.get("dk_dead_max", 0.0), r.get("dv_dead_max", 0.0))
+        result = (
+            r.get("result")
+            or f"corrupted: {_fmt(r.get('corrupted_any'))}, dead-row max {_fmt(dead)}"
+        )
+        rows.append([r["build"], _case(r), r.get("label") or r.get("impl") or "-", result])
+    L += _section("CUDA graphs", "Capture once, replay with new offsets.",
+                  "build|test|variant|result", rows)  # fmt: skip
+    L += _section(
+        "Head dims above 128",
+        "`tests/gpu/test_head_dim.py`, per shape for MHA 8/8, GQA 8/2, MQA 8/1 after a poisoned "
+        "block: is TE's own backward plus the post-pass exact (the measured table behind the "
+        "rule in `te_gqa_fix/affected.py`), and is the wrapper exact with default settings "
+        "(the exact fallback where the rule says `unrepairable`, counted).",
+        "build|d/d_v|rule|TE + post-pass exact|wrapper exact|fallback calls",
+        _head_dim_rows(cases("test_head_dim.py::test_rule_matches_te"),
+                       cases("test_head_dim.py::test_wrapper_exact"), builds),
+    )  # fmt: skip
+    L += _section(
+        "Guard settings (head dim 256, GQA)",
+        "`TE_GQA_FIX_GUARD`: `warn` logs once and returns TE's result, `strict` raises, "
+        "`fallback` (default) logs once and computes exactly.",
+        "build|test|warnings logged|expected unrepairable",
+        [[r["build"], _case(r), r.get("warned"), r.get("expected")]
+         for r in cases("test_head_dim.py::test_guard")],
+    )  # fmt: skip
+    fb = cases("test_fallback.py")
+    L += _section(
+        "The exact fallback",
+        "`tests/gpu/test_fallback.py`: `fallback.exact_backward` then the post-pass against fp32, "
+        "head dims 192/256 x GQA/MQA/MHA x padding, top-left causal (two calls), bottom-right "
+        "causal, bottom-right window, top-left window (one offsets tensor) x `thd_thd_thd`/"
+        "`thd_t2hd`, zero-length sequences on both sides; one CUDA-graph capture and replay.",
+        "build|cases|exact|worst err/bound|dead-row max|TE's own backward exact",
+        [[b, len(rs), sum(bool(r.get("exact")) for r in rs),
+          max((x for r in rs if (x := _ratio(r)) is not None), default=None),
+          max((x for r in rs if (x := _dead(r)) is not None), default=None),
+          f"{sum(bool(r.get('te_exact')) for r in rs)}/{sum('te_exact' in r for r in rs)}"]
+         for b in builds if (rs := [r for r in fb if r["build"] == b])],
+    )  # fmt: skip
+    if by["cp"]:
+        L += _section(
+            "Context parallelism",
+            "`tests/multigpu/cp_check.py` under torchrun: DotProductAttention (THD, padding_causal, "
+            "bf16, d 128) with P2P, all-gather and A2A, compared with one GPU and with fp32; "
+            "unpatched runs free a block of 1000.0 before the backward.",
+            "build|mode|configurations|outcomes|worst err/bound",
+            _cp_rows(by["cp"], builds),
+        )
+    if by["example"]:
+        L += _section("Examples", "", "build|example|exit|last line",
+                      [[r["build"], f"examples/{r['name']}.py", r["exit"], _short(r["result"])]
+                       for r in by["example"]])  # fmt: skip
+    for m in by["megatron"]:
+        L += _megatron(m)
+    L += ["## Regenerate", "", "```bash",
+          "bash tests/gpu/run_all.sh    # GPU machine with TE; PARTS=... picks parts, see the script",
+          "cp $OUT/validation.jsonl docs/data/ && python3 tests/gpu/report.py render",
+          "python3 tests/gpu/report.py render --check    # CPU: page == data",
+          "```"]  # fmt: skip
+    return "\n".join(L).rstrip("\n") + "\n"
+
+
+def check(data: Path = DATA, page: Path = PAGE) -> bool:
+    """Whether ``page`` is exactly what ``data`` renders to."""
+    return page.read_text() == render(_jsonl(data))
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="step", required=True)
-    co = sub.add_parser("collect", help="merge a run's output files into one data file")
-    co.add_argument("results", type=Path)
-    co.add_argument("--command", default="bash tests/gpu/run_validation.sh")
-    co.add_argument("--builds", default="system,pip")
-    co.add_argument("--extra", type=Path, default=None, help="run_all.sh's extra results folder")
-    co.add_argument("-o", "--output", type=Path, required=True, help="the data file to write")
-    re_ = sub.add_parser("render", help="markdown from one data file")
-    re_.add_argument("data", type=Path)
-    args = ap.parse_args(argv)
-    if args.step == "collect":
-        data = collect(args.results, args.command, args.builds.split(","), args.extra)
-        args.output.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
-    else:
-        sys.stdout.write(render(json.loads(args.data.read_text())))
+    co = sub.add_parser("collect", help="one run's raw outputs -> the data file")
+    co.add_argument("--tests", type=Path, help="records-, junit- and doctor-<build> files")
+    co.add_argument("--builds", default="system,pip,route")
+    co.add_argument("--extra", type=Path, help="cp_results_*.json and example logs")
+    co.add_argument("--megatron", type=Path, help="tests/multigpu/megatron/run.sh's results")
+    co.add_argument("--command", default="bash tests/gpu/run_all.sh")
+    co.add_argument("-o", "--output", type=Path, default=DATA)
+    re_ = sub.add_parser("render", help="the data file -> the page")
+    re_.add_argument("data", type=Path, nargs="?", default=DATA)
+    re_.add_argument("-o", "--output", type=Path, default=PAGE)
+    re_.add_argument("--check", action="store_true", help="exit 1 if the page differs")
+    a = ap.parse_args(argv)
+    if a.step == "collect":
+        write_jsonl(collect(a.tests, a.builds.split(","), a.command, a.extra, a.megatron), a.output)
+        return 0
+    if a.check:
+        ok = check(a.data, a.output)
+        if not ok:
+            print(f"{a.output} is not what {a.data} renders to: run {Path(__file__).name} render")
+        return 0 if ok else 1
+    a.output.write_text(render(_jsonl(a.data)))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

@@ -27,7 +27,7 @@ def _shape(fn) -> list:
 
 
 def test_fake_signature_matches_installed_te(te) -> None:
-    from te_gqa_fix.te_compat import find_original, get_te_version, import_fused_attn_module
+    from te_gqa_fix.patch import find_original, get_te_version, import_fused_attn_module
 
     version = get_te_version()
     assert version is not None
@@ -43,7 +43,7 @@ def test_fake_signature_matches_installed_te(te) -> None:
 
 def test_the_comparison_can_fail(te) -> None:
     # A fake of another release differs from the installed one (so the check is not vacuous).
-    from te_gqa_fix.te_compat import find_original, get_te_version, import_fused_attn_module
+    from te_gqa_fix.patch import find_original, get_te_version, import_fused_attn_module
 
     version = get_te_version()
     key = f"{version.major}.{version.minor}"

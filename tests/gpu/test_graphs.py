@@ -12,7 +12,7 @@ import torch
 
 import te_gqa_fix
 from fakes.cuda_checks import capture, no_host_sync
-from te_gqa_fix.reproduce import (
+from te_gqa_fix.testing import (
     GRADS,
     compare,
     dead_masks,
@@ -62,9 +62,9 @@ def test_buffers_have_same_shape_across_patterns():
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_postpass_never_syncs(te, impl):
-    from te_gqa_fix import triton_postpass
+    from te_gqa_fix import launch
 
-    if impl == "triton" and not triton_postpass.available():
+    if impl == "triton" and not launch.available():
         pytest.skip("triton not available")
     b = _batch(1)
     dk = torch.randn(b.rows_kv, 2, 64, device="cuda")
@@ -80,9 +80,9 @@ def test_postpass_never_syncs(te, impl):
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_postpass_graph_replay_new_offsets(te, impl, record):
-    from te_gqa_fix import triton_postpass
+    from te_gqa_fix import launch
 
-    if impl == "triton" and not triton_postpass.available():
+    if impl == "triton" and not launch.available():
         pytest.skip("triton not available")
     b0 = _batch(0)
     static = {k: v.clone() for k, v in b0.offsets("cuda").items()}
@@ -166,3 +166,49 @@ def test_te_backward_with_wrapper_in_graph(te, cudnn, affected, record):
             dv_dead_max=worst["dv_dead_max"],
         )
         del graph
+
+
+_HOOK_SCRIPT = """
+import site, sys, torch
+site.addsitedir(sys.argv[1])  # runs te_gqa_fix_autopatch.pth as interpreter start-up does
+import transformer_engine.pytorch  # the hook installs the fix here
+import te_gqa_fix
+from fakes.cuda_checks import capture
+from te_gqa_fix.testing import (compare, exact, large_head_dim_batch, random_inputs,
+                                references, te_backward, te_forward)
+assert te_gqa_fix.is_installed(), "the start-up hook did not install the fix"
+batch = large_head_dim_batch(256, (8, 2))
+random_inputs(batch, seed=9)
+static = batch.offsets("cuda")  # tensors made before capture: a graph cannot copy from the host
+batch.offsets = lambda device, _s=static: _s
+te_forward(batch)
+graph, out = capture(lambda: te_backward(batch, cuda_graph=True))
+graph.replay()
+torch.cuda.synchronize()
+res = compare(batch, out, references(batch))
+print("RESULT", exact(res), te_gqa_fix.call_counts()["fallback"], res)
+"""
+
+
+def test_head_dim_256_in_graph_through_startup_hook(te, capability, cudnn, record):
+    """TE_GQA_FIX_AUTOPATCH=1 through the start-up file, then TE's own fused_attn_bwd at head
+    dim 256 captured in a CUDA graph and replayed: exact (the fallback where TE is wrong)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from te_gqa_fix.affected import verdict
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TE_GQA_FIX_AUTOPATCH="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "tests"), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", _HOOK_SCRIPT, str(root / "src")], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
+    record(cudnn=".".join(map(str, cudnn)), result=line[0] if line else proc.stderr[-2000:])
+    assert proc.returncode == 0 and line, proc.stderr[-3000:]
+    _, is_exact, fallbacks, _ = line[0].split(" ", 3)
+    unrepairable = verdict(capability, cudnn, 256, 256).status == "unrepairable"
+    assert is_exact == "True", line[0]
+    assert int(fallbacks) == (2 if unrepairable else 0), line[0]  # warm-up + captured call

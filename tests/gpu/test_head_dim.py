@@ -1,13 +1,9 @@
 """Head dims above 128, where cuDNN < 9.18 on Hopper is wrong on live rows too.
 
-Which shapes are repairable is the rule in ``te_gqa_fix.affected`` (measured: 192 and 256
-are wrong, MHA and GQA; the MLA shape q/k 192 with v 128 is clean). Each case here runs
-TE's backward through the wrapper after a poisoned block and checks it against fp32 with
-the repository's tolerance rule: expected to fail (strict) exactly where the rule says
-``unrepairable`` for the cuDNN TE runs, and to be exact everywhere else, in particular on
-the affected machine once ``TE_GQA_FIX_CUDNN=auto`` makes TE run the fixed cuDNN.
-
-The guard test checks that the wrapper does not stay silent on an unrepairable call.
+``test_rule_matches_te`` measures TE's own backward (plus the post-pass) at each head dim and
+checks the rule in ``te_gqa_fix.affected`` against it: exact exactly where the rule says
+repairable. Through the wrapper every case must be exact: the post-pass where it repairs,
+the exact fallback where the rule says it cannot, and on a fixed cuDNN TE itself.
 """
 
 from __future__ import annotations
@@ -17,8 +13,9 @@ import logging
 import pytest
 import torch
 
-from te_gqa_fix import affected, guard
-from te_gqa_fix.reproduce import (
+import te_gqa_fix
+from te_gqa_fix import affected
+from te_gqa_fix.testing import (
     compare,
     exact,
     large_head_dim_batch,
@@ -32,58 +29,93 @@ from te_gqa_fix.wrapper import unwrap, wrapper_for
 
 pytestmark = pytest.mark.gpu
 
-SHAPES = [(192, 192), (256, 256), (192, 128)]
+#: (q/k head dim, v head dim): the measured table behind affected.py's rule.
+SURVEY = [(160, 160), (192, 192), (224, 224), (256, 256), (192, 128), (256, 128), (128, 128)]
+HEADS = [(8, 8), (8, 2), (8, 1)]
 
 
 def _status(capability, cudnn, d_qk: int, d_v: int) -> str:
     return affected.verdict(capability, cudnn, d_qk, d_v).status
 
 
-@pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
-@pytest.mark.parametrize("dims", SHAPES, ids=[f"{a}-{b}" for a, b in SHAPES])
-def test_large_head_dim(te, capability, cudnn, dims, heads, record, request):
-    d_qk, d_v = dims
-    unrepairable = _status(capability, cudnn, d_qk, d_v) == "unrepairable"
-    if unrepairable:
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True, reason="cuDNN < 9.18 on Hopper: backward wrong on live rows"
-            )
-        )
-    batch = large_head_dim_batch(d_qk, heads, head_dim_v=d_v)
-    random_inputs(batch, seed=d_qk + d_v)
+def _case(te, dims, heads, seed):
+    batch = large_head_dim_batch(dims[0], heads, head_dim_v=dims[1])
+    random_inputs(batch, seed=seed)
     te_forward(batch)
-    wrapper = wrapper_for(unwrap(te.cpp_extensions.fused_attn.fused_attn_bwd))
+    return batch, unwrap(te.cpp_extensions.fused_attn.fused_attn_bwd)
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("dims", SURVEY, ids=[f"{a}-{b}" for a, b in SURVEY])
+def test_rule_matches_te(te, capability, cudnn, dims, heads, record):
+    """TE's backward + the post-pass, after a poisoned block: exact iff the rule says so."""
+    batch, original = _case(te, dims, heads, seed=sum(dims) + heads[1])
+    poison_allocator(1000.0)
+    out = te_backward(batch, fn=original)
+    te_gqa_fix.zero_dead_rows(
+        out[0], out[1], out[2], **batch.offsets("cuda"), attn_mask_type=batch.mask
+    )
+    res = compare(batch, out, references(batch))
+    status = _status(capability, cudnn, *dims)
+    record(cudnn=".".join(map(str, cudnn)), d=dims[0], d_v=dims[1], heads=f"{heads[0]}/{heads[1]}",
+           status=status, te_exact=exact(res), **res)  # fmt: skip
+    assert exact(res) == (status != "unrepairable"), (status, res)
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("dims", SURVEY, ids=[f"{a}-{b}" for a, b in SURVEY])
+def test_wrapper_exact(te, capability, cudnn, dims, heads, record):
+    """Through the wrapper, default settings: exact everywhere; the fallback runs exactly
+    where the rule says the post-pass cannot repair."""
+    affected.reset()
+    batch, original = _case(te, dims, heads, seed=sum(dims) * 3 + heads[1])
+    wrapper = wrapper_for(original)
+    te_gqa_fix.reset_call_counts()
     poison_allocator(1000.0)
     res = compare(batch, te_backward(batch, fn=wrapper), references(batch))
-    record(
-        cudnn=".".join(map(str, cudnn)),
-        unrepairable=unrepairable,
-        d=d_qk,
-        d_v=d_v,
-        heads=f"{heads[0]}/{heads[1]}",
-        exact=exact(res),
-        **res,
-    )
+    counts = te_gqa_fix.call_counts()
+    unrepairable = _status(capability, cudnn, *dims) == "unrepairable"
+    record(cudnn=".".join(map(str, cudnn)), d=dims[0], d_v=dims[1], heads=f"{heads[0]}/{heads[1]}",
+           fallback=counts["fallback"], exact=exact(res), **res)  # fmt: skip
+    assert counts["fallback"] == int(unrepairable), counts
     assert exact(res), res
 
 
-def test_guard_warns_on_unrepairable_backward(te, capability, cudnn, caplog, record):
-    """d 256 GQA through the wrapper: a WARNING naming the configuration and the remedy
-    exactly where the rule says unrepairable, and none on a fixed cuDNN."""
-    guard.reset_guard()
-    batch = large_head_dim_batch(256, (8, 2))
-    random_inputs(batch, seed=7)
-    te_forward(batch)
-    wrapper = wrapper_for(unwrap(te.cpp_extensions.fused_attn.fused_attn_bwd))
+@pytest.mark.parametrize("mode", ["warn", "strict", "fallback"])
+def test_guard_modes(te, capability, cudnn, mode, monkeypatch, caplog, record):
+    """d 256 GQA: ``warn`` says so once and returns TE's result, ``strict`` raises,
+    ``fallback`` logs once that it computes exactly; nothing at all on a fixed cuDNN."""
+    affected.reset()
+    monkeypatch.setenv("TE_GQA_FIX_GUARD", mode)
+    batch, original = _case(te, (256, 256), (8, 2), seed=7)
+    wrapper = wrapper_for(original)
+    expected = _status(capability, cudnn, 256, 256) == "unrepairable"
     with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
+        if mode == "strict" and expected:
+            with pytest.raises(affected.UnrepairableConfiguration, match="head dim 256"):
+                te_backward(batch, fn=wrapper)
+            return
         te_backward(batch, fn=wrapper)
         te_backward(batch, fn=wrapper)
     torch.cuda.synchronize()
     hits = [r.getMessage() for r in caplog.records if "cannot repair" in r.getMessage()]
-    expected = _status(capability, cudnn, 256, 256) == "unrepairable"
-    record(cudnn=".".join(map(str, cudnn)), guard_warned=len(hits), expected=expected,
-           message=hits[0] if hits else None)  # fmt: skip
-    assert len(hits) == (1 if expected else 0), hits
-    if expected:
-        assert "head dim 256" in hits[0] and "TE_GQA_FIX_CUDNN=auto" in hits[0], hits[0]
+    record(cudnn=".".join(map(str, cudnn)), mode=mode, warned=len(hits), expected=expected)
+    assert len(hits) == (1 if expected and mode != "strict" else 0), hits
+    if hits:
+        assert "TE_GQA_FIX_CUDNN=auto" in hits[0], hits[0]
+        assert ("FlashAttention-2" in hits[0]) == (mode == "fallback"), hits[0]
+
+
+@pytest.mark.parametrize("dims", [(256, 256), (256, 128)], ids=["256", "256-128"])
+def test_wrapper_exact_with_the_torch_post_pass(te, capability, cudnn, dims, monkeypatch, record):
+    """The same through the PyTorch post-pass (as after a kernel failure): still exact."""
+    from te_gqa_fix import postpass
+
+    monkeypatch.setattr(postpass, "_broken", True)
+    affected.reset()
+    batch, original = _case(te, dims, (8, 2), seed=11)
+    te_gqa_fix.reset_call_counts()
+    poison_allocator(float("nan"))
+    res = compare(batch, te_backward(batch, fn=wrapper_for(original)), references(batch))
+    record(cudnn=".".join(map(str, cudnn)), d=dims[0], d_v=dims[1], exact=exact(res), **res)
+    assert exact(res), res

@@ -1,4 +1,4 @@
-"""Issue #13 on the GPU: the public ``zero_dead_rows`` on CUDA tensors, both implementations.
+"""On the GPU: the public ``zero_dead_rows`` on CUDA tensors, both implementations.
 
 * Against the brute-force oracle (``tests/fakes/oracle.py``) with q and kv padded offsets
   that differ and an explicit ``bottom_right_diagonal``: a launch that swaps the padded
@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import te_gqa_fix
 from fakes.cuda_checks import capture, no_host_sync
 from fakes.oracle import assert_rows, bits, expected_keep, make_ragged
-from te_gqa_fix import offset_errors, triton_postpass, zero_dead_rows
+from te_gqa_fix import launch, offset_errors, postpass, zero_dead_rows
 from te_gqa_fix.masks import key_span
 from te_gqa_fix.offset_errors import OffsetsError
 
@@ -37,7 +37,7 @@ def _need(impl: str) -> None:
         pytest.skip("needs a CUDA device")
     if impl == "triton":
         pytest.importorskip("triton")
-        assert triton_postpass.available(), "Triton imports but the post-pass is unavailable"
+        assert launch.available(), "Triton imports but the post-pass is unavailable"
 
 
 @pytest.fixture(autouse=True)
@@ -84,14 +84,14 @@ def test_public_post_pass_on_cuda_matches_the_oracle(
         dv = torch.randn(ragged.rows_kv, 2, 16, generator=gen).to(dtype).cuda()
     before = [t.cpu() for t in (dq, dk, dv)]
     launches = []
-    real = triton_postpass._launch
-    triton_postpass._launch = lambda *a: (launches.append(1), real(*a))  # type: ignore[assignment]
+    real = launch.launch
+    launch.launch = lambda *a: (launches.append(1), real(*a))  # type: ignore[assignment]
     try:
         zero_dead_rows(dq if with_q else None, dk, dv, *ragged.tensors("cuda"),
                        attn_mask_type=mask, window_size=window, bottom_right_diagonal=brd,
                        impl=impl)  # fmt: skip
     finally:
-        triton_postpass._launch = real  # type: ignore[assignment]
+        launch.launch = real  # type: ignore[assignment]
     torch.cuda.synchronize()
     assert bool(launches) == (impl == "triton"), "the implementation asked for did not run"
     if with_q:
@@ -142,7 +142,7 @@ def test_impossible_offsets_zero_nothing_and_surface_at_the_next_call(impl: str,
             zero_dead_rows(dq, dk, dv, *good, impl=impl)
     zero_dead_rows(dq, dk, dv, *good, impl=impl)  # cleared: goes through
     te_gqa_fix.check_offset_errors(synchronize=True)
-    assert not triton_postpass._broken, "the kernel failed (pinned error word refused?)"
+    assert not postpass._broken, "the kernel failed (pinned error word refused?)"
 
 
 def test_check_offset_errors_sees_the_last_call() -> None:
@@ -184,13 +184,14 @@ def test_cuda_graph_replay_records_bad_offsets() -> None:
 
 
 def test_pinned_word_is_written_by_triton_directly() -> None:
-    """The 10-line check the lead asked for: Triton takes the pinned pointer."""
+    """Triton takes the pinned pointer and the kernel writes the error bits into it."""
     _need("triton")
     ragged, dq, dk, dv = _case()
     offs: List[torch.Tensor] = list(ragged.tensors("cuda"))
     offs[3] = torch.tensor([0, 5, 11, 99], dtype=torch.int32, device="cuda")
     word = offset_errors.kernel_flag(dk.device)
     assert word.is_pinned() and word.device.type == "cpu"
-    triton_postpass._launch(dq, dk, dv, *offs, key_span("padding_causal"))
+    plan = launch.make_plan(dq, dk, dv, tuple(offs), key_span("padding_causal"))
+    launch.launch(plan, dq, dk, dv, tuple(offs))
     torch.cuda.synchronize()
     assert int(word[0]) == offset_errors.ARGUMENT_BITS["cu_seqlens_kv_padded"]

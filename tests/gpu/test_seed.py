@@ -13,7 +13,7 @@ import torch
 
 import te_gqa_fix
 from te_gqa_fix.affected import cudnn_is_fixed
-from te_gqa_fix.reproduce import (
+from te_gqa_fix.testing import (
     compare,
     corrupted,
     exact,

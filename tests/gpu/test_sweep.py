@@ -13,7 +13,7 @@ import itertools
 import pytest
 import torch
 
-from te_gqa_fix.reproduce import (
+from te_gqa_fix.testing import (
     compare,
     corrupted,
     exact,

@@ -61,10 +61,9 @@ if HERE not in sys.path:  # loaded by path (pytest) rather than run as a script
 
 from cp_report import check_results, summary_table, write_results  # noqa: E402
 
-from te_gqa_fix import c_launch  # noqa: E402
 from te_gqa_fix.affected import cudnn_is_fixed  # noqa: E402
-from te_gqa_fix.reproduce import ThdBatch, reference_attention, tolerance  # noqa: E402
 from te_gqa_fix.stack import te_cudnn_version  # noqa: E402
+from te_gqa_fix.testing import ThdBatch, reference_attention, tolerance  # noqa: E402
 
 TENSORS = ("out", "dq", "dk", "dv")
 COMM_TYPES = ("p2p", "all_gather", "a2a")
@@ -227,7 +226,7 @@ def thd_batch(
 
 
 def reference_pair(batch: ThdBatch, device: torch.device) -> Dict[str, Dict[str, torch.Tensor]]:
-    """The one reference (``te_gqa_fix.reproduce.reference_attention``), in fp32 (really:
+    """The one reference (``te_gqa_fix.testing.reference_attention``), in fp32 (really:
     no TF32) and in the batch's own precision (the yardstick of the bound), with the
     output named ``out`` as in this harness's records."""
     refs = {}
@@ -270,7 +269,7 @@ def _forward(dpa: Any, b: Any, q: Any, k: Any, v: Any, cu: Any, cu_pad: Any) -> 
 
 @dataclass
 class Case:
-    """One shape of the sweep: the packed batch (``reproduce.ThdBatch``, self-attention:
+    """One shape of the sweep: the packed batch (``testing.ThdBatch``, self-attention:
     q and kv share offsets), the longest padded sequence, and its token and padding rows."""
 
     shape: str
@@ -339,7 +338,7 @@ class Runner:
         (``te_gqa_fix.affected``), and this run's own facts (ranks, policy, argv, env)."""
         import te_gqa_fix
         from te_gqa_fix.affected import verdict
-        from te_gqa_fix.policy import get_policy
+        from te_gqa_fix.settings import get as setting
         from te_gqa_fix.stack import stack_summary, te_cudnn_version
 
         info: Dict[str, Any] = stack_summary()
@@ -354,7 +353,7 @@ class Runner:
             world_size=self.world,
             cp_size=self.world,
             te_gqa_fix=te_gqa_fix.__version__,
-            te_gqa_fix_policy=get_policy(),
+            te_gqa_fix_policy=setting("TE_GQA_FIX"),
             verdict=rule.status,
             bug_expected=rule.status == "affected",
             argv=sys.argv,
@@ -535,10 +534,9 @@ class Runner:
         mine = part["idx"][self.rank]
         dout = b.tensor("dout").index_select(0, mine)
         before = te_gqa_fix.call_counts()
-        lanes_before = c_launch.lane_count()
         # Patched: --steps training steps of the same batch (new leaves, poisoned each
-        # time); the last one's gradients are compared. From the third step on, TE's call
-        # is served by the wrapper's fast lane (call_counts' fast_lane).
+        # time); the last one's gradients are compared. From the second step on, TE's call
+        # takes the wrapper's cached path for a call shape it has seen.
         for _ in range(self.args.steps if patched else 1):
             q, k, v = (
                 b.tensor(n).index_select(0, mine).contiguous().requires_grad_()
@@ -573,9 +571,6 @@ class Runner:
                 "rank": self.rank,
                 "installed": installed,
                 "call_counts": delta,
-                # Calls the wrapper's C lane served (te_gqa_fix.c_launch): TE's
-                # context-parallel call sites pass keyword arguments, which it picks too.
-                "c_lane_calls": c_launch.lane_count() - lanes_before,
                 "backend": backend,
                 "out_shape": list(out.shape),
             },
@@ -740,14 +735,6 @@ class Runner:
                 harness.append(
                     (f"rank {r} no passthrough", cc["passthrough"] == 0, f"call_counts delta {cc}")
                 )
-                if self.args.steps >= 3:  # a shape seen twice before: the fast lane
-                    harness.append(
-                        (
-                            f"rank {r} fast lane served calls",
-                            cc.get("fast_lane", 0) > 0,
-                            f"call_counts delta {cc}",
-                        )
-                    )
             else:
                 harness.append(
                     (
@@ -789,7 +776,6 @@ class Runner:
             peak_abs=peak,
             nonfinite=nonfinite,
             fixed_calls=[i["info"]["call_counts"]["fixed"] for i in infos],
-            c_lane_calls=[i["info"].get("c_lane_calls", 0) for i in infos],
             backend=infos[0]["info"]["backend"],
         )
         if patched:
@@ -844,8 +830,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--steps",
         type=int,
         default=1,
-        help="patched: training steps per configuration, the last one compared (3 or more "
-        "reach the wrapper's fast lane)",
+        help="patched: training steps per configuration, the last one compared (2 or more "
+        "take the wrapper's cached path for a call shape it has seen)",
     )
     p.add_argument(
         "--no-poison",

@@ -1,5 +1,5 @@
 """CPU tests of cp_check.py's pure parts: batch shapes, the DualChunkSwap cross-check, the
-fp32/bf16 references (reproduce's, against SDPA), and cp_report.py's pass/fail logic. No GPU, no TE: they run in CI, so the
+fp32/bf16 references (te_gqa_fix.testing's, against SDPA), and cp_report.py's pass/fail logic. No GPU, no TE: they run in CI, so the
 multi-GPU script's bookkeeping is checked before it ever reaches the GPU machine."""
 
 from __future__ import annotations

@@ -1,50 +1,44 @@
 """``te-gqa-fix plan``: which gradient rows the post-pass zeroes for a batch, and why.
 
-Before trusting a fix that writes zeros into gradients, a user should be able to see
-exactly which rows it will touch for their own batch layout (context-parallel steps,
-padding, sliding windows). The rows come from :func:`te_gqa_fix.postpass.dead_row_masks`, the very
-function the post-pass uses, so this report cannot drift from what the fix does; the
-reason for each row comes from :func:`te_gqa_fix.masks.key_interval` and the offsets. A
-row whose reason disagrees with the mask is reported as ``inconsistent`` (a bug to
-report), never hidden. Runs on CPU; Transformer Engine is not needed.
+The rows come from :func:`te_gqa_fix.postpass.dead_row_masks`, each row's reason from the
+mask's key interval and the offsets; a row where the two disagree is ``inconsistent``.
 """
 
 from __future__ import annotations
 
-import bisect
+import itertools
 import json
-from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .masks import KeySpan, check_mask_arguments, key_interval, key_span
-from .postpass import dead_row_masks
-from .validation import check_values
+from ..masks import check_mask_arguments, key_interval, key_span
+from ..postpass import dead_row_masks
+from ..validation import check_offsets, check_values
+from . import fallback_coverage
 
-__all__ = [
-    "Plan",
-    "PlanInput",
-    "Run",
-    "SequencePlan",
-    "build_plan",
-    "check_input",
-    "format_plan",
-    "plan_from_json",
-]
+__all__ = ["Plan", "PlanInput", "build_plan", "format_plan", "plan_from_json", "plan_input"]
 
-# Reason codes (stable: the JSON output and tests use them).
-BEFORE_FIRST = "before_first"  # row before the first sequence's offset
-PADDING = "padding"  # row after sequence b's valid tokens, before the next sequence
-TAIL = "tail"  # row after the last sequence
-NO_QUERIES = "no_queries"  # row of a sequence with no query tokens
-OUTSIDE_WINDOW = "outside_window"  # KV row no query of its sequence attends
-NO_KEYS = "no_keys"  # dQ row of a sequence with no keys
-ATTENDED = "attended"  # KV row some query attends: kept
-VALID_QUERY = "valid_query"  # dQ row of a valid query with keys: kept
-INCONSISTENT = "inconsistent"  # reason and post-pass disagree (must never happen)
+#: plan lists every row; 2**22 rows per buffer already make about 100 MB of JSON.
+MAX_ROWS = 1 << 22
+_OFFSETS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
 
-KEPT_CODES = (ATTENDED, VALID_QUERY)
+#: Each row's code (stable: the JSON output and tests use it) -> the reason it is given.
+_REASONS = {
+    "before_first": "before the first sequence",
+    "tail": "tail: after the last sequence",
+    "padding": "padding after sequence {b} ({valid} valid {what})",
+    "no_queries": "sequence {b} has no query tokens{rows}",
+    "outside_window": "outside the attended window of sequence {b} (queries attend keys {keys})",
+    "no_keys": "sequence {b} has no keys (dQ is 0)",
+    "attended": "attended by sequence {b}",  # kept
+    "valid_query": "query tokens of sequence {b}",  # kept
+    "inconsistent": "INCONSISTENT in sequence {b}: the post-pass and the mask reasoning "
+    "disagree (please report this batch)",  # must never happen
+}
+KEPT_CODES = ("attended", "valid_query")
+Codes = List[Tuple[str, Optional[int]]]
 
 
 @dataclass(frozen=True)
@@ -56,7 +50,7 @@ class PlanInput:
     cu_seqlens_q_padded: Optional[Tuple[int, ...]] = None
     cu_seqlens_kv_padded: Optional[Tuple[int, ...]] = None
     attn_mask_type: str = "padding_causal"
-    window_size: Tuple[int, int] = (-1, -1)
+    window_size: Optional[Tuple[int, int]] = (-1, -1)
     bottom_right_diagonal: Optional[bool] = None
     rows_q: Optional[int] = None
     rows_kv: Optional[int] = None
@@ -84,263 +78,229 @@ class Run:
     reason: str
 
 
+_NO_SEQUENCE = SequencePlan(0, 0, 0, (0, 0), (0, 0), (0, 0))  # rows outside every sequence
+
+
 @dataclass
 class Plan:
-    inputs: PlanInput
-    mask_understood: bool
+    """Each row's code (with its sequence) and fate, per side (``kv``: dK/dV, ``q``: dQ)."""
+
+    inputs: PlanInput  # as checked: offsets as tuples, rows and window filled in
     span: Dict[str, Any]
     sequences: List[SequencePlan]
-    rows_q: int
-    rows_kv: int
-    kv_codes: List[Tuple[str, Optional[int]]] = field(default_factory=list)
-    q_codes: List[Tuple[str, Optional[int]]] = field(default_factory=list)
-    kv_zeroed: List[bool] = field(default_factory=list)
-    q_zeroed: List[bool] = field(default_factory=list)
+    kv_codes: Codes
+    q_codes: Codes
+    kv_zeroed: List[bool]
+    q_zeroed: List[bool]
 
     @property
     def consistent(self) -> bool:
-        return all(code != INCONSISTENT for code, _ in self.kv_codes + self.q_codes)
+        return all(code != "inconsistent" for code, _ in self.kv_codes + self.q_codes)
 
     def runs(self, side: str) -> List[Run]:
-        codes = self.kv_codes if side == "kv" else self.q_codes
-        zeroed = self.kv_zeroed if side == "kv" else self.q_zeroed
-        out: List[Run] = []
-        for row, ((code, seq), z) in enumerate(zip(codes, zeroed)):
-            if out and out[-1].code == code and out[-1].sequence == seq and out[-1].zeroed == z:
-                last = out[-1]
-                out[-1] = Run(last.start, row + 1, z, code, seq, last.reason)
-            else:
-                out.append(Run(row, row + 1, z, code, seq, self._reason(side, code, seq)))
+        """Consecutive rows of ``side`` (``kv`` or ``q``) with one code, sequence and fate."""
+        codes, zeroed = getattr(self, f"{side}_codes"), getattr(self, f"{side}_zeroed")
+        out, start = [], 0
+        for (code, b, z), group in itertools.groupby(zip(codes, zeroed), lambda t: (*t[0], t[1])):
+            stop = start + sum(1 for _ in group)
+            s = self.sequences[b] if b is not None else _NO_SEQUENCE
+            reason = _REASONS[code].format(
+                b=b,
+                valid=s.lk if side == "kv" else s.lq,
+                what="keys" if side == "kv" else "query tokens",
+                rows=" (padding rows)" if side == "q" else "",
+                keys=f"{_span_text(*s.attended_keys)} of {s.lk}",
+            )
+            out.append(Run(start, stop, z, code, b, reason))
+            start = stop
         return out
 
-    def _reason(self, side: str, code: str, seq: Optional[int]) -> str:
-        s = None if seq is None else self.sequences[seq]
-        if code == BEFORE_FIRST:
-            return "before the first sequence"
-        if code == TAIL:
-            return "tail: after the last sequence"
-        assert s is not None
-        if code == PADDING:
-            valid = s.lk if side == "kv" else s.lq
-            what = "keys" if side == "kv" else "query tokens"
-            return f"padding after sequence {s.index} ({valid} valid {what})"
-        if code == NO_QUERIES:
-            if side == "q":
-                return f"sequence {s.index} has no query tokens (padding rows)"
-            return f"sequence {s.index} has no query tokens"
-        if code == OUTSIDE_WINDOW:
-            lo, hi = s.attended_keys
-            return (
-                f"outside the attended window of sequence {s.index} "
-                f"(queries attend keys {_span_text(lo, hi)} of {s.lk})"
-            )
-        if code == NO_KEYS:
-            return f"sequence {s.index} has no keys (dQ is 0)"
-        if code == ATTENDED:
-            return f"attended by sequence {s.index}"
-        if code == VALID_QUERY:
-            return f"query tokens of sequence {s.index}"
-        return (
-            f"INCONSISTENT in sequence {s.index}: the post-pass and the mask reasoning "
-            "disagree (please report this batch)"
-        )
-
     def to_dict(self) -> Dict[str, Any]:
-        def side(name: str, rows: int, zeroed: List[bool]) -> Dict[str, Any]:
-            codes = self.kv_codes if name == "kv" else self.q_codes
-            return {
+        """The plan as JSON-ready values (``row_codes`` and ``zeroed_rows`` row by row)."""
+        out = {
+            "inputs": asdict(self.inputs),
+            "span": self.span,
+            "sequences": [asdict(s) for s in self.sequences],
+        }
+        for key, side in (("dkv", "kv"), ("dq", "q")):
+            zeroed, rows = getattr(self, f"{side}_zeroed"), getattr(self.inputs, f"rows_{side}")
+            out[key] = {
                 "rows": rows,
                 "zeroed_rows": [i for i, z in enumerate(zeroed) if z],
                 "zeroed": sum(zeroed),
                 "kept": rows - sum(zeroed),
-                "row_codes": [c for c, _ in codes],
-                "runs": [asdict(r) for r in self.runs(name)],
+                "row_codes": [c for c, _ in getattr(self, f"{side}_codes")],
+                "runs": [asdict(r) for r in self.runs(side)],
             }
-
-        return {
-            "inputs": asdict(self.inputs),
-            "mask_understood": self.mask_understood,
-            "span": self.span,
-            "sequences": [asdict(s) for s in self.sequences],
-            "dkv": side("kv", self.rows_kv, self.kv_zeroed),
-            "dq": side("q", self.rows_q, self.q_zeroed),
-            "consistent": self.consistent,
-        }
+        return {**out, "consistent": self.consistent, "fallback": fallback_coverage()}
 
 
 def _span_text(lo: int, hi: int) -> str:
-    if hi <= lo:
-        return "none"
-    return f"{lo}" if hi - lo == 1 else f"{lo}-{hi - 1}"
+    return "none" if hi <= lo else f"{lo}" if hi - lo == 1 else f"{lo}-{hi - 1}"
 
 
-def _lengths(cu: Sequence[int]) -> List[int]:
-    return [b - a for a, b in zip(cu, cu[1:])]
+def _all_ints(values: Any) -> bool:
+    return all(isinstance(x, int) and not isinstance(x, bool) for x in values)
 
 
-def _t(values: Optional[Sequence[int]]) -> Optional[torch.Tensor]:
-    return None if values is None else torch.tensor(list(values), dtype=torch.int32)
+def _ints(value: Any, name: str) -> Tuple[int, ...]:
+    """Offsets as plan holds them: integers (never bools) that fit TE's int32."""
+    if not isinstance(value, (list, tuple)) or not _all_ints(value):
+        raise ValueError(f"{name}: expected a list of integers, got {value!r}")
+    bad = [x for x in value if not -(2**31) <= x < 2**31]
+    if bad:
+        raise ValueError(f"{name}: offset {bad[0]} does not fit in int32 (TE's offsets are int32)")
+    return tuple(value)
 
 
-def _classify(
-    row: int, offsets: Sequence[int], nseq: int
-) -> Tuple[Optional[int], Optional[str], int]:
-    """Sequence of a buffer row (the post-pass's rule: the last b with offsets[b] <= row),
-    or the code of a row outside every sequence; plus the position in the sequence."""
-    if row >= offsets[nseq]:
-        return None, TAIL, 0
-    if row < offsets[0]:
-        return None, BEFORE_FIRST, 0
-    b = bisect.bisect_right(offsets, row) - 1
-    return b, None, row - offsets[b]
+def _rows(value: Any, name: str) -> int:
+    """A row count plan can list: an integer in ``[0, MAX_ROWS]``."""
+    if not _all_ints([value]):
+        raise ValueError(f"{name}: expected an integer, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name}: expected a number of rows >= 0, got {value}")
+    if value > MAX_ROWS:
+        raise ValueError(f"{name}: expected at most {MAX_ROWS} rows (plan lists each), got {value}")
+    return value
 
 
-def _span_dict(span: KeySpan) -> Dict[str, Any]:
-    return {
-        "exact": span.exact,
-        "causal": span.causal,
-        "window_left": span.window_left,
-        "window_right": span.window_right,
-        "top_left": span.top_left,
-        "bottom_right": span.bottom_right,
-    }
+def _parse_text(name: str, text: str) -> Any:
+    """One command-line value, parsed for field ``name``; errors name the field."""
+    try:
+        if name in _OFFSETS or name == "window_size":
+            return tuple(int(x) for x in text.strip().strip("[]").split(","))
+        if name in ("rows_q", "rows_kv"):
+            return int(text)
+        if name == "bottom_right_diagonal":
+            return {"true": True, "false": False}[text.strip().lower()]
+    except (KeyError, ValueError):
+        what = "an integer" if name.startswith("rows") else "comma-separated integers (0,0,3)"
+        what = "true or false" if name == "bottom_right_diagonal" else what
+        raise ValueError(f"{name}: expected {what}, got {text!r}") from None
+    return text
+
+
+def plan_input(flags: Dict[str, Optional[str]], base: Optional[PlanInput] = None) -> PlanInput:
+    """A :class:`PlanInput` from plan's command-line text.
+
+    Args:
+        flags: TE's argument names -> the option's text (None: not given).
+        base: what the options override (from ``--file``).
+
+    Returns:
+        The input; raises ``ValueError`` naming the field for text that does not parse.
+    """
+    data = asdict(base) if base is not None else {}
+    data.update({k: _parse_text(k, v) for k, v in flags.items() if v is not None})
+    return PlanInput(**data)
+
+
+def plan_from_json(text: str) -> PlanInput:
+    """A :class:`PlanInput` from a JSON object with TE's names.
+
+    Args:
+        text: the JSON; types are JSON's own (``bottom_right_diagonal`` is true/false/null).
+
+    Returns:
+        The input; every error is a ``ValueError`` that names the field.
+    """
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--file: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--file: expected a JSON object, got {type(data).__name__}")
+    known = sorted(PlanInput.__dataclass_fields__)
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ValueError(f"{unknown[0]}: unknown key; expected some of {known}")
+    for name in _OFFSETS[:2]:
+        data.setdefault(name, None)  # required: build_plan names it
+    if "attn_mask_type" in data and not isinstance(data["attn_mask_type"], str):
+        got = json.dumps(data["attn_mask_type"])
+        raise ValueError(f'attn_mask_type: expected a string such as "padding_causal", got {got}')
+    brd = data.get("bottom_right_diagonal")
+    if brd is not None and not isinstance(brd, bool):
+        got = json.dumps(brd)
+        raise ValueError(f"bottom_right_diagonal: expected true, false or null, got {got}")
+    return PlanInput(**data)  # offsets, rows and window: build_plan checks them, as for any input
 
 
 def build_plan(inp: PlanInput) -> Plan:
-    """Work out the plan; raises ValueError naming the field on input that cannot be right."""
-    check_input(inp)
-    cu_q, cu_kv = list(inp.cu_seqlens_q), list(inp.cu_seqlens_kv)
-    pad_q = list(inp.cu_seqlens_q_padded) if inp.cu_seqlens_q_padded is not None else cu_q
-    pad_kv = list(inp.cu_seqlens_kv_padded) if inp.cu_seqlens_kv_padded is not None else cu_kv
-    if len(cu_q) < 1:
-        raise ValueError("cu_seqlens_q: expected at least one offset (batch_size + 1)")
-    for name, values in (
-        ("cu_seqlens_kv", cu_kv),
-        ("cu_seqlens_q_padded", pad_q),
-        ("cu_seqlens_kv_padded", pad_kv),
-    ):
-        if len(values) != len(cu_q):
-            raise ValueError(
-                f"{name}: expected {len(cu_q)} offsets (as cu_seqlens_q), got {len(values)}"
-            )
-    rows_q = inp.rows_q if inp.rows_q is not None else pad_q[-1]
-    rows_kv = inp.rows_kv if inp.rows_kv is not None else pad_kv[-1]
-    for name, rows in (("rows_q", rows_q), ("rows_kv", rows_kv)):
-        if rows < 0:  # only reachable from a negative last offset
-            raise ValueError(f"{name}: expected a number of rows >= 0, got {rows}")
-    t_cu_q, t_cu_kv = _t(cu_q), _t(cu_kv)
-    t_pad_q, t_pad_kv = _t(inp.cu_seqlens_q_padded), _t(inp.cu_seqlens_kv_padded)
-    assert t_cu_q is not None and t_cu_kv is not None
-    check_values(rows_q, rows_kv, t_cu_q, t_cu_kv, t_pad_q, t_pad_kv)
+    """Work out the plan.
 
-    # None is TE's "no window"; check_input has vetted the rest.
-    window = (-1, -1) if inp.window_size is None else tuple(inp.window_size)
-    span = key_span(inp.attn_mask_type, window, inp.bottom_right_diagonal)
-    # The rows: exactly what the post-pass computes.
-    dead = dead_row_masks(
-        t_cu_q,
-        t_cu_kv,
-        t_pad_q,
-        t_pad_kv,
-        rows_q=rows_q,
-        rows_kv=rows_kv,
-        attn_mask_type=inp.attn_mask_type,
-        window_size=window,
-        bottom_right_diagonal=inp.bottom_right_diagonal,
-    )
-    assert dead.q is not None
-    kv_zeroed = [bool(x) for x in dead.kv.tolist()]
-    q_zeroed = [bool(x) for x in dead.q.tolist()]
+    Args:
+        inp: the batch; checked against plan's limits (int32 offsets, at most
+            :data:`MAX_ROWS` rows), then the post-pass's gate, before any row-sized allocation.
 
-    lq, lk = _lengths(cu_q), _lengths(cu_kv)
-    nseq = len(lq)
-    sequences = [
-        SequencePlan(
-            index=b,
-            lq=lq[b],
-            lk=lk[b],
-            q_rows=(pad_q[b], pad_q[b + 1]),
-            kv_rows=(pad_kv[b], pad_kv[b + 1]),
-            attended_keys=key_interval(lq[b], lk[b], span),
-        )
-        for b in range(nseq)
+    Returns:
+        The plan; raises ``ValueError`` naming the field on input that cannot be right.
+    """
+    offsets = [
+        None if getattr(inp, n) is None and i > 1 else _ints(getattr(inp, n), n)
+        for i, n in enumerate(_OFFSETS)
     ]
-
-    def kv_code(row: int) -> Tuple[str, Optional[int]]:
-        b, outside, j = _classify(row, pad_kv, nseq)
-        if b is None:
-            assert outside is not None
-            return outside, None
-        s = sequences[b]
-        if j >= s.lk:
-            return PADDING, b
-        if s.lq == 0:
-            return NO_QUERIES, b
-        lo, hi = s.attended_keys
-        return (ATTENDED if lo <= j < hi else OUTSIDE_WINDOW), b
-
-    def q_code(row: int) -> Tuple[str, Optional[int]]:
-        b, outside, i = _classify(row, pad_q, nseq)
-        if b is None:
-            assert outside is not None
-            return outside, None
-        s = sequences[b]
-        if s.lq == 0:
-            return NO_QUERIES, b
-        if i >= s.lq:
-            return PADDING, b
-        if s.lk == 0:
-            return NO_KEYS, b
-        return VALID_QUERY, b
-
-    def checked(code: Tuple[str, Optional[int]], zeroed: bool) -> Tuple[str, Optional[int]]:
-        if (code[0] in KEPT_CODES) == zeroed:
-            return INCONSISTENT, code[1]
-        return code
-
-    kv_codes = [checked(kv_code(r), kv_zeroed[r]) for r in range(rows_kv)]
-    q_codes = [checked(q_code(r), q_zeroed[r]) for r in range(rows_q)]
-    return Plan(
-        inputs=PlanInput(
-            cu_seqlens_q=tuple(cu_q),
-            cu_seqlens_kv=tuple(cu_kv),
-            cu_seqlens_q_padded=None if inp.cu_seqlens_q_padded is None else tuple(pad_q),
-            cu_seqlens_kv_padded=None if inp.cu_seqlens_kv_padded is None else tuple(pad_kv),
-            attn_mask_type=inp.attn_mask_type,
-            window_size=(int(window[0]), int(window[1])),
-            bottom_right_diagonal=inp.bottom_right_diagonal,
-            rows_q=rows_q,
-            rows_kv=rows_kv,
-        ),
-        mask_understood=span.exact,
-        span=_span_dict(span),
-        sequences=sequences,
-        rows_q=rows_q,
-        rows_kv=rows_kv,
-        kv_codes=kv_codes,
-        q_codes=q_codes,
-        kv_zeroed=kv_zeroed,
-        q_zeroed=q_zeroed,
-    )
+    check_mask_arguments(inp.attn_mask_type, inp.window_size, inp.bottom_right_diagonal)
+    rows = []
+    for side, name in enumerate(("rows_q", "rows_kv")):
+        given = getattr(inp, name)
+        if given is None:  # the buffer ends at the last offset (buffer offsets, else valid)
+            j = side + 2 if offsets[side + 2] is not None else side
+            name, given = _OFFSETS[j], max((offsets[j] or (0,))[-1], 0)
+        rows.append(_rows(given, name))
+    tensors = [None if o is None else torch.tensor(o, dtype=torch.int32) for o in offsets]
+    sizes = dict(rows_q=rows[0], rows_kv=rows[1])
+    check_offsets(*tensors, **sizes)
+    check_values(*rows, *tensors)
+    window = (-1, -1) if inp.window_size is None else tuple(map(int, inp.window_size))
+    mask = dict(attn_mask_type=inp.attn_mask_type, bottom_right_diagonal=inp.bottom_right_diagonal)
+    span = key_span(window_size=window, **mask)
+    dead = dead_row_masks(*tensors, **sizes, window_size=window, **mask)
+    assert dead.q is not None
+    inputs = replace(inp, **dict(zip(_OFFSETS, offsets)), window_size=window, **sizes)
+    cu_q, cu_kv = offsets[0], offsets[1]
+    pad_q, pad_kv = offsets[2] or cu_q, offsets[3] or cu_kv
+    kv: Codes = [("before_first", None)] * pad_kv[0]
+    q: Codes = [("before_first", None)] * pad_q[0]
+    sequences = []
+    for b in range(len(cu_q) - 1):
+        lq, lk = cu_q[b + 1] - cu_q[b], cu_kv[b + 1] - cu_kv[b]
+        lo, hi = key_interval(lq, lk, span)
+        s = SequencePlan(b, lq, lk, (pad_q[b], pad_q[b + 1]), (pad_kv[b], pad_kv[b + 1]), (lo, hi))
+        sequences.append(s)
+        room_q = pad_q[b + 1] - pad_q[b]
+        if lq == 0:
+            kv += [("no_queries", b)] * lk
+            q += [("no_queries", b)] * room_q
+        else:
+            kv += [("outside_window", b)] * lo + [("attended", b)] * (hi - lo)
+            kv += [("outside_window", b)] * (lk - hi)
+            q += [("no_keys" if lk == 0 else "valid_query", b)] * lq
+            q += [("padding", b)] * (room_q - lq)
+        kv += [("padding", b)] * (pad_kv[b + 1] - pad_kv[b] - lk)
+    kv += [("tail", None)] * (rows[1] - pad_kv[-1])
+    q += [("tail", None)] * (rows[0] - pad_q[-1])
+    kv_zeroed, q_zeroed = dead.kv.tolist(), dead.q.tolist()
+    kv, q = _checked(kv, kv_zeroed), _checked(q, q_zeroed)
+    return Plan(inputs, asdict(span), sequences, kv, q, kv_zeroed, q_zeroed)
 
 
-def _rows_text(start: int, stop: int) -> str:
-    return f"row  {start}" if stop - start == 1 else f"rows {start}-{stop - 1}"
+def _checked(codes: Codes, zeroed: List[bool]) -> Codes:
+    """``codes``, with ``inconsistent`` where the post-pass disagrees with a row's code."""
+    return [
+        ("inconsistent", b) if (code in KEPT_CODES) == z else (code, b)
+        for (code, b), z in zip(codes, zeroed)
+    ]
 
 
 def _alignment(plan: Plan) -> str:
     s = plan.span
     if not s["exact"]:
         return "mask not modelled: every valid key of a sequence with queries is kept"
-    how = []
-    if s["top_left"]:
-        how.append("top-left")
-    if s["bottom_right"]:
-        how.append("bottom-right")
+    how = " + ".join(k.replace("_", "-") for k in ("top_left", "bottom_right") if s[k])
     given = plan.inputs.bottom_right_diagonal
     source = "by mask name" if given is None else f"bottom_right_diagonal={given}"
-    window = f"window ({s['window_left']}, {s['window_right']})"
-    return f"{' + '.join(how)} diagonal ({source}), effective {window}"
+    return f"{how} diagonal ({source}), effective window ({s['window_left']}, {s['window_right']})"
 
 
 def format_plan(plan: Plan) -> str:
@@ -348,7 +308,7 @@ def format_plan(plan: Plan) -> str:
     inp = plan.inputs
     lines = [
         f"te-gqa-fix plan: {len(plan.sequences)} sequence(s), mask {inp.attn_mask_type}, "
-        f"window {tuple(inp.window_size)}",
+        f"window {inp.window_size}",
         f"  {_alignment(plan)}",
         "",
         f"{'seq':>4}  {'q tokens':>8}  {'q rows':>9}  {'keys':>5}  {'kv rows':>9}  attended keys",
@@ -362,100 +322,16 @@ def format_plan(plan: Plan) -> str:
             f"{s.index:>4}  {s.lq:>8}  {_span_text(*s.q_rows):>9}  {s.lk:>5}  "
             f"{_span_text(*s.kv_rows):>9}  {att}"
         )
-    for side, title, rows, zeroed in (
-        ("kv", "dK/dV", plan.rows_kv, plan.kv_zeroed),
-        ("q", "dQ", plan.rows_q, plan.q_zeroed),
-    ):
-        n = sum(zeroed)
+    for side, title in (("kv", "dK/dV"), ("q", "dQ")):
+        rows, n = getattr(inp, f"rows_{side}"), sum(getattr(plan, f"{side}_zeroed"))
         lines += ["", f"{title} rows ({rows}): {n} zeroed, {rows - n} kept"]
         for run in plan.runs(side):
-            fate = "ZEROED" if run.zeroed else "kept  "
-            lines.append(f"  {_rows_text(run.start, run.stop):<14} {fate}  {run.reason}")
+            span = _span_text(run.start, run.stop)
+            where = f"row  {span}" if run.stop - run.start == 1 else f"rows {span}"
+            lines.append(f"  {where:<14} {'ZEROED' if run.zeroed else 'kept  '}  {run.reason}")
     if not plan.consistent:
         lines += ["", "ERROR: some rows are INCONSISTENT (see above): please report this batch."]
+    coverage = fallback_coverage()
+    if coverage:
+        lines += ["", "exact fallback (TE_GQA_FIX_GUARD=fallback):", *(f"  {c}" for c in coverage)]
     return "\n".join(lines)
-
-
-def _int_list(value: Any, name: str) -> Tuple[int, ...]:
-    if not isinstance(value, (list, tuple)) or not all(
-        isinstance(x, int) and not isinstance(x, bool) for x in value
-    ):
-        raise ValueError(f"{name}: expected a list of integers, got {value!r}")
-    return tuple(value)
-
-
-def _int(value: Any, name: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name}: expected an integer, got {value!r}")
-    return value
-
-
-def check_input(inp: PlanInput) -> None:
-    """Raise ``ValueError`` naming the field when a :class:`PlanInput` is malformed.
-
-    The same rules as the public post-pass: a value of the wrong type is never coerced
-    (``bool("false")`` is True), an unknown mask is an error, not the conservative set.
-    """
-    for name in ("cu_seqlens_q", "cu_seqlens_kv"):
-        _int_list(getattr(inp, name), name)
-    for name in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
-        if getattr(inp, name) is not None:
-            _int_list(getattr(inp, name), name)
-    check_mask_arguments(inp.attn_mask_type, inp.window_size, inp.bottom_right_diagonal)
-    for name in ("rows_q", "rows_kv"):
-        value = getattr(inp, name)
-        if value is not None and _int(value, name) < 0:
-            raise ValueError(f"{name}: expected a number of rows >= 0, got {value}")
-
-
-def plan_from_json(text: str) -> PlanInput:
-    """A :class:`PlanInput` from JSON with TE's names (``cu_seqlens_q``, ``cu_seqlens_kv``,
-    optional ``cu_seqlens_q_padded``, ``cu_seqlens_kv_padded``, ``attn_mask_type``,
-    ``window_size``, ``bottom_right_diagonal``, ``rows_q``, ``rows_kv``).
-
-    Types are JSON's own: ``bottom_right_diagonal`` is ``true``/``false``/``null`` (the
-    string ``"false"`` is an error, not True), ``attn_mask_type`` a string. Every error
-    names the field.
-    """
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--file: not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"--file: expected a JSON object, got {type(data).__name__}")
-    known = {f for f in PlanInput.__dataclass_fields__}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"{unknown[0]}: unknown key; expected some of {sorted(known)}")
-    for req in ("cu_seqlens_q", "cu_seqlens_kv"):
-        if data.get(req) is None:
-            raise ValueError(f"{req}: required (a list of integers)")
-    kw: Dict[str, Any] = {}
-    for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
-        if data.get(name) is not None:
-            kw[name] = _int_list(data[name], name)
-    if "attn_mask_type" in data:
-        if not isinstance(data["attn_mask_type"], str):
-            raise ValueError(
-                f'attn_mask_type: expected a string such as "padding_causal", got '
-                f"{json.dumps(data['attn_mask_type'])}"
-            )
-        kw["attn_mask_type"] = data["attn_mask_type"]
-    if "window_size" in data:
-        w = _int_list(data["window_size"], "window_size")
-        if len(w) != 2:
-            raise ValueError(f"window_size: expected [left, right], got {list(w)}")
-        kw["window_size"] = w
-    brd = data.get("bottom_right_diagonal")
-    if brd is not None and not isinstance(brd, bool):
-        raise ValueError(
-            f"bottom_right_diagonal: expected true, false or null, got {json.dumps(brd)}"
-        )
-    if brd is not None:
-        kw["bottom_right_diagonal"] = brd
-    for name in ("rows_q", "rows_kv"):
-        if data.get(name) is not None:
-            kw[name] = _int(data[name], name)
-    inp = PlanInput(**kw)
-    check_input(inp)
-    return inp

@@ -41,8 +41,6 @@ was active in (b)/(d) and not in (a)/(c), seen twice: the ``te_gqa_fix`` logger'
 ``__wrapped__`` in the JSON.
 
 Exit status 0 when (b) matches and the preconditions hold; 1 otherwise; 2 on bad usage.
-Measuring lives here; ``render.py`` draws the plot from the same numbers (only that module
-imports matplotlib).
 """
 
 from __future__ import annotations
@@ -313,7 +311,7 @@ def fmt(x: Any) -> str:
     return str(x)
 
 
-def markdown(report: Dict[str, Any], runs: Dict[str, Dict[str, Any]], plot: str = "") -> str:
+def markdown(report: Dict[str, Any], runs: Dict[str, Dict[str, Any]]) -> str:
     lines = ["## Megatron-Core (issue 11): results", ""]
     any_run = next(iter(runs.values()), {})
     st = any_run.get("stack", {})
@@ -377,8 +375,6 @@ def markdown(report: Dict[str, Any], runs: Dict[str, Dict[str, Any]], plot: str 
             f"max |loss - loss(c)| {fmt(dv['max_loss_delta'])}; final loss {fmt(dv['final_loss'])} "
             f"vs {fmt(dv['final_loss_ref'])}."
         )
-    if plot:
-        lines += ["", f"![loss and gradient norms]({plot})"]
     lines += ["", "RESULT: " + ("PASS" if report["ok"] else "FAIL")]
     for p in report["problems"]:
         lines.append(f"- {p}")
@@ -386,7 +382,7 @@ def markdown(report: Dict[str, Any], runs: Dict[str, Dict[str, Any]], plot: str 
 
 
 def write_csv(runs: Dict[str, Dict[str, Any]], path: str) -> None:
-    """The numbers behind the plot: one row per step, columns run.quantity."""
+    """The curves: one row per step, columns run.quantity."""
     names = sorted(runs)
     cols = [(n, q) for n in names for q in QUANTITIES]
     steps = max((len(r.get("steps", [])) for r in runs.values()), default=0)
@@ -408,9 +404,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--md", default="", help="markdown summary (default RESULTS/summary.md)")
     p.add_argument("--csv", default="", help="curves CSV (default RESULTS/curves.csv)")
     p.add_argument("--json", default="", help="report JSON (default RESULTS/report.json)")
-    p.add_argument(
-        "--plot", default="", help="PNG (default RESULTS/megatron_core.png); 'none' to skip"
-    )
     args = p.parse_args(argv)
     if not os.path.isdir(args.results):
         print(f"check.py: no such folder {args.results}", file=sys.stderr)
@@ -422,21 +415,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     report = evaluate(runs, logs, args.factor, args.ulps)
     csv_path = args.csv or os.path.join(args.results, "curves.csv")
     write_csv(runs, csv_path)
-    plot = (
-        ""
-        if args.plot == "none"
-        else (args.plot or os.path.join(args.results, "megatron_core.png"))
-    )
-    if plot:
-        try:
-            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-            from render import render  # matplotlib only there
-
-            render(runs, report, plot)
-        except ImportError as exc:
-            print(f"check.py: no plot ({exc})", file=sys.stderr)
-            plot = ""
-    md = markdown(report, runs, os.path.basename(plot) if plot else "")
+    md = markdown(report, runs)
     with open(args.md or os.path.join(args.results, "summary.md"), "w") as f:
         f.write(md)
     with open(args.json or os.path.join(args.results, "report.json"), "w") as f:

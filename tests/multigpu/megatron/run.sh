@@ -6,7 +6,7 @@
 # tests/multigpu/megatron/check.py. Run from the repo root with the GPU kit staged (TE in
 # /tmp/te-site) and .whl-mcore/ carried (tests/multigpu/megatron/stage_mcore.sh).
 # Everything lands in $RES (default /tmp/megatron-results), packed as $OUT/megatron.tgz;
-# summary.md and the plot are also copied to $OUT. Exit status: check.py's.
+# summary.md is also copied to $OUT. Exit status: check.py's.
 # Knobs: STEPS (24), RUNS ("a b c d a_poison b_poison c_poison"), RUN_TIMEOUT (110 s).
 set -uo pipefail
 res=${RES:-/tmp/megatron-results}
@@ -75,7 +75,6 @@ python3 tests/multigpu/megatron/check.py "$res" >"$res/check.txt" 2>&1
 rc=$?
 cat "$res/check.txt"
 cp "$res/summary.md" "$out/megatron_summary.md" 2>/dev/null
-cp "$res/megatron_core.png" "$out/megatron_core.png" 2>/dev/null
 tar czf "$out/megatron.tgz" -C "$(dirname "$res")" "$(basename "$res")"
 echo "results in $out/megatron.tgz (check.py exit $rc)"
 exit $rc

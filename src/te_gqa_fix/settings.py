@@ -1,0 +1,134 @@
+"""Every ``TE_GQA_FIX_*`` setting, read and parsed in one place.
+
+Standard library only: the start-up hook reads its settings here before torch exists.
+An unknown value raises :class:`SettingError` naming the variable, the value and what is
+accepted; a typo must never pick a behaviour the user did not ask for.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, Mapping, Optional, Tuple
+
+__all__ = ["SETTINGS", "SettingError", "describe", "get", "parse"]
+
+_OFF = ("", "0", "off", "false", "no", "disable", "disabled")
+_ON = ("1", "on", "true", "yes")
+
+#: variable -> (accepted spellings -> parsed value, default, one line on what it does).
+#: ``TE_GQA_FIX_CUDNN`` also takes a folder (``/path`` or ``strict:/path``).
+SETTINGS: Dict[str, Tuple[Dict[str, str], str, str]] = {
+    "TE_GQA_FIX": (
+        {
+            **dict.fromkeys(("", "auto", "on", "1", "gqa"), "auto"),
+            **dict.fromkeys(("always", "all"), "always"),
+            **dict.fromkeys(_OFF[1:], "off"),
+        },
+        "auto",
+        "post-pass policy: auto (GQA/MQA on an affected cuDNN), always, off",
+    ),
+    "TE_GQA_FIX_GUARD": (
+        {
+            **dict.fromkeys(("", "fallback"), "fallback"),
+            "warn": "warn",
+            "strict": "strict",
+            **dict.fromkeys(_OFF[1:], "off"),
+        },
+        "fallback",
+        "a backward the post-pass cannot repair: fallback (exact recompute), warn, strict, off",
+    ),
+    "TE_GQA_FIX_VALIDATE": (
+        {**dict.fromkeys(_OFF, "off"), **dict.fromkeys(_ON, "on")},
+        "off",
+        "on: read the offsets in every call and raise there (a host sync; debugging)",
+    ),
+    "TE_GQA_FIX_AUTOPATCH": (
+        {**dict.fromkeys(_OFF, "off"), **dict.fromkeys(_ON, "on"), "strict": "strict"},
+        "off",
+        "start-up hook: install when transformer_engine.pytorch is imported (strict: or fail)",
+    ),
+    "TE_GQA_FIX_CUDNN": (
+        {
+            **dict.fromkeys(_OFF, "off"),
+            **dict.fromkeys(("auto", *_ON), "auto"),
+            "strict": "strict",
+        },
+        "off",
+        "load a fixed cuDNN (>= 9.18) before torch and TE: auto, strict, FOLDER, strict:FOLDER",
+    ),
+}
+
+
+class SettingError(ValueError):
+    """A ``TE_GQA_FIX_*`` variable holds a value that is not one of its accepted values."""
+
+
+_parsed: Dict[Tuple[str, Optional[str]], str] = {}
+
+
+def parse(name: str, raw: Optional[str]) -> str:
+    """The parsed value of setting ``name`` for the raw string ``raw`` (None: unset).
+
+    Args:
+        name: one of :data:`SETTINGS`.
+        raw: the variable's value as the environment holds it.
+
+    Returns:
+        The canonical value (``TE_GQA_FIX_CUDNN`` folders: ``FOLDER`` or ``strict:FOLDER``).
+
+    Raises:
+        SettingError: the value is not accepted; the message names variable, value and
+            the accepted values.
+    """
+    spellings, default, _ = SETTINGS[name]
+    if raw is None:
+        return default
+    key = raw.strip().lower()
+    value = spellings.get(key)
+    if value is not None:
+        return value
+    if name == "TE_GQA_FIX_CUDNN":
+        text = raw.strip()
+        folder = text[len("strict:") :] if key.startswith("strict:") else text
+        if os.sep in folder or folder.startswith("."):
+            return text
+    accepted = ", ".join(sorted({repr(s) for s in spellings if s}))
+    extra = ", a folder, 'strict:FOLDER'" if name == "TE_GQA_FIX_CUDNN" else ""
+    raise SettingError(
+        f"{name}={raw!r} is not an accepted value; expected one of {accepted}{extra}"
+    )
+
+
+def get(name: str, environ: Optional[Mapping[str, str]] = None) -> str:
+    """The parsed value of ``name`` now (cached per raw value: a dict lookup per call).
+
+    Args:
+        name: one of :data:`SETTINGS`.
+        environ: the environment to read (default ``os.environ``).
+
+    Returns:
+        The canonical value; raises :class:`SettingError` for an unknown one.
+    """
+    raw = (os.environ if environ is None else environ).get(name)
+    key = (name, raw)
+    value = _parsed.get(key)
+    if value is None:
+        value = _parsed[key] = parse(name, raw)
+    return value
+
+
+def describe(environ: Optional[Mapping[str, str]] = None) -> Dict[str, Dict[str, object]]:
+    """Every setting with its raw value, parsed value (or error) and meaning, for ``doctor``.
+
+    Returns:
+        ``{name: {"raw": str | None, "value": str | None, "error": str | None, "help": str}}``.
+    """
+    env = os.environ if environ is None else environ
+    out: Dict[str, Dict[str, object]] = {}
+    for name, (_, _, text) in SETTINGS.items():
+        raw = env.get(name)
+        try:
+            out[name] = {"raw": raw, "value": parse(name, raw), "error": None, "help": text}
+        except SettingError as exc:
+            out[name] = {"raw": raw, "value": None, "error": str(exc), "help": text}
+    return out

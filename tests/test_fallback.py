@@ -1,0 +1,580 @@
+"""The exact fallback (``te_gqa_fix.fallback``) on CPU: its segments, its mask mapping and,
+end to end, its gradients with FlashAttention-2's varlen entry points replaced by a CPU
+emulation of their semantics. After the post-pass they must equal the fp32 reference."""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import random
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import pytest
+import torch
+
+from te_gqa_fix import fallback
+from te_gqa_fix.postpass import zero_dead_rows
+from te_gqa_fix.testing import (
+    ThdBatch,
+    attention_mask,
+    make_batch,
+    random_inputs,
+    reference_attention,
+)
+
+MASKS = (
+    "padding",
+    "no_mask",
+    "padding_causal",
+    "causal",
+    "padding_causal_bottom_right",
+    "causal_bottom_right",
+)
+WINDOWS = ((-1, -1), (-1, 0), (0, 0), (1, 0), (2, 1), (-1, 2), (3, -1), (0, -1), (9, 9))
+LENGTHS = ((3, 5), (4, 4), (5, 3), (1, 4), (4, 1), (6, 2))
+
+
+# ----------------------------------------------------------------- FlashAttention-2 on CPU
+def _fa2_window(max_q: int, max_k: int, causal: bool, left, right, forward: bool):
+    """The window FlashAttention-2's varlen entry points run with (flash_api.cpp)."""
+    left = -1 if left is None else left
+    right = -1 if right is None else right
+    if forward and max_q == 1:
+        causal = False
+    if causal:
+        right = 0
+    left = -1 if left >= max_k else left
+    right = -1 if right >= max_k else right
+    if left < 0 and right >= 0:
+        left = max_k
+    if left >= 0 and right < 0:
+        right = max_k
+    return left, right
+
+
+def _fa2_allowed(lq: int, lk: int, left: int, right: int) -> torch.Tensor:
+    """FlashAttention-2's mask of one segment: bottom-right aligned window."""
+    i = torch.arange(lq).view(-1, 1)
+    j = torch.arange(lk).view(1, -1)
+    ok = torch.ones(lq, lk, dtype=torch.bool)
+    if left >= 0:
+        ok &= j >= i + lk - lq - left
+    if right >= 0:
+        ok &= j <= i + lk - lq + right
+    return ok
+
+
+def _segments_of(cu_q: torch.Tensor, cu_k: torch.Tensor):
+    q, k = cu_q.tolist(), cu_k.tolist()
+    return list(zip(q[:-1], q[1:], k[:-1], k[1:]))
+
+
+class FlashEmulation:
+    """FlashAttention-2 varlen semantics in float64: per segment, bottom-right windows, GQA
+    by repeat_interleave, logsumexp ``[h, total_q]``. Rows it never writes (outside every
+    segment, or in a segment longer than ``max_q``/``max_k``) are NaN, as fresh memory may be."""
+
+    def __init__(self) -> None:
+        self.calls: List[str] = []
+
+    def _flash_attention_forward(
+        self, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, debug, **kw
+    ):
+        self.calls.append("fwd")
+        assert dropout_p == 0.0 and not debug
+        assert q.shape[-1] == k.shape[-1] == v.shape[-1], "FlashAttention-2 takes one head dim"
+        left, right = _fa2_window(max_q, max_k, is_causal, *_kw_window(kw), forward=True)
+        group = q.shape[1] // k.shape[1]
+        raw = [-1 if w is None else w for w in _kw_window(kw)]
+        if max_q == 1 and group > 1 and max(raw) < 0:
+            # FlashAttention-2 then reshapes q as one query per segment (a decode step)
+            assert q.shape[0] == cu_q.numel() - 1, "max_q == 1: q is not one row a segment"
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((q.shape[1], q.shape[0]), float("nan"))
+        for a, e, ka, ke in _segments_of(cu_q, cu_k):
+            lq, lk = e - a, ke - ka
+            if lq <= 0 or lq > max_q or lk < 0 or lk > max_k:
+                continue
+            qs, ks, vs = _seg(q, a, e, 1), _seg(k, ka, ke, group), _seg(v, ka, ke, group)
+            s = torch.einsum("ihd,jhd->hij", qs, ks) * kw["scale"]
+            s = s.masked_fill(~_fa2_allowed(lq, lk, left, right), float("-inf"))
+            m = torch.logsumexp(s, -1)
+            m = m.masked_fill(m == float("-inf"), float("inf"))  # no key: lse +inf, out 0
+            out[a:e] = torch.einsum("hij,jhd->ihd", torch.exp(s - m[..., None]), vs).to(q.dtype)
+            lse[:, a:e] = m.float()
+        return out, lse, torch.empty(2), torch.empty(()), torch.empty(0)
+
+    def _flash_attention_backward(
+        self, d_o, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, *rest, **kw
+    ):
+        self.calls.append("bwd")
+        assert dropout_p == 0.0 and len(rest) == 2
+        assert q.shape[-1] == v.shape[-1] == d_o.shape[-1], "FlashAttention-2 takes one head dim"
+        assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
+        left, right = _fa2_window(max_q, max_k, is_causal, *_kw_window(kw), forward=False)
+        group = q.shape[1] // k.shape[1]
+        dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+        for a, e, ka, ke in _segments_of(cu_q, cu_k):
+            lq, lk = e - a, ke - ka
+            if lq < 0 or lk < 0 or lq > max_q or lk > max_k:
+                continue
+            qs, dos, os_ = _seg(q, a, e, 1), _seg(d_o, a, e, 1), _seg(out, a, e, 1)
+            ks, vs = _seg(k, ka, ke, group), _seg(v, ka, ke, group)
+            m = lse[:, a:e].double()
+            m = m.masked_fill(m == float("-inf"), 0.0)  # as the kernel reads -inf
+            s = torch.einsum("ihd,jhd->hij", qs, ks) * kw["scale"]
+            s = s.masked_fill(~_fa2_allowed(lq, lk, left, right), float("-inf"))
+            p = torch.exp(s - m[..., None])
+            dp = torch.einsum("ihd,jhd->hij", dos, vs)
+            ds = p * (dp - (dos * os_).sum(-1).t()[..., None])
+            dq[a:e] = (torch.einsum("hij,jhd->ihd", ds, ks) * kw["scale"]).to(q.dtype)
+            dks = torch.einsum("hij,ihd->jhd", ds, qs) * kw["scale"]
+            dvs = torch.einsum("hij,ihd->jhd", p, dos)
+            dk[ka:ke] = dks.unflatten(1, (k.shape[1], group)).sum(2).to(k.dtype)
+            dv[ka:ke] = dvs.unflatten(1, (k.shape[1], group)).sum(2).to(v.dtype)
+        return dq, dk, dv
+
+
+def _kw_window(kw: Dict[str, Any]):
+    return kw.get("window_size_left"), kw.get("window_size_right")
+
+
+def _seg(t: torch.Tensor, a: int, e: int, group: int) -> torch.Tensor:
+    return t[a:e].double().repeat_interleave(group, dim=1)
+
+
+@pytest.fixture
+def emulated(monkeypatch: pytest.MonkeyPatch) -> FlashEmulation:
+    emu = FlashEmulation()
+    monkeypatch.setattr(fallback, "_aten", emu)
+    monkeypatch.setattr(fallback, "_device_reason", lambda q: None)
+    return emu
+
+
+# ----------------------------------------------------------------------------- calls
+def _call(
+    batch: ThdBatch,
+    *,
+    layout: str = "thd_thd_thd",
+    padded: bool = True,
+    one_offsets: bool = False,
+    tight: bool = False,
+    **extra: Any,
+) -> Dict[str, Any]:
+    """TE 2.20's bound ``fused_attn_bwd`` arguments for the batch's CPU tensors."""
+    t = batch.tensors
+    offsets = batch.offsets("cpu")
+    if one_offsets:  # what TE gets when q and kv share their offsets (self-attention)
+        assert batch.cu_q == batch.cu_kv and batch.pad_q == batch.pad_kv
+        offsets["cu_seqlens_kv"] = offsets["cu_seqlens_q"]
+        offsets["cu_seqlens_kv_padded"] = offsets["cu_seqlens_q_padded"]
+    if not padded:
+        offsets["cu_seqlens_q_padded"] = offsets["cu_seqlens_kv_padded"] = None
+    q, k, v = t["q"], t["k"], t["v"]
+    if layout in ("thd_t2hd", "thd_th2d"):
+        kv = torch.stack((k, v), 1 if layout == "thd_t2hd" else 2)
+        k, v = kv.unbind(1 if layout == "thd_t2hd" else 2)
+    elif layout in ("t3hd", "th3d"):
+        qkv = torch.stack((q, k, v), 1 if layout == "t3hd" else 2)
+        q, k, v = qkv.unbind(1 if layout == "t3hd" else 2)
+    max_q, max_k = batch.max_seqlens()
+    if tight:  # the least bound TE may pass: the longest valid sequence
+        max_q, max_k = max(batch.lq, default=0), max(batch.lk, default=0)
+    call = dict(
+        max_seqlen_q=max_q,
+        max_seqlen_kv=max_k,
+        q=q,
+        k=k,
+        v=v,
+        o=torch.zeros_like(t["d_o"]),
+        d_o=t["d_o"],
+        fake_dtype=q.dtype,
+        aux_ctx_tensors=[],
+        fused_attention_backend=None,
+        s_quantizer=None,
+        dp_quantizer=None,
+        dqkv_quantizer=None,
+        attn_scale=None,
+        dropout=0.0,
+        fast_zero_fill=True,
+        qkv_layout=layout,
+        o_format="thd",
+        do_format="thd",
+        dqkv_layout=layout,
+        attn_bias_type="no_bias",
+        attn_mask_type=batch.mask,
+        softmax_type="vanilla",
+        window_size=batch.window,
+        bottom_right_diagonal=batch.bottom_right_diagonal,
+        deterministic=False,
+        cuda_graph=False,
+        **offsets,
+    )
+    call.update(extra)
+    return call
+
+
+def _batch(lq, lk, heads=(4, 2), dim=8, seed=0, **kw) -> ThdBatch:
+    batch = make_batch(
+        lq, lk, heads_q=heads[0], heads_kv=heads[1], head_dim=dim, dtype=torch.float32, **kw
+    )
+    random_inputs(batch, device="cpu", seed=seed)
+    return batch
+
+
+# ------------------------------------------------------------------------ segments
+def _labels_from_offsets(off: List[int], rows: int) -> List[Optional[int]]:
+    """Row -> the sequence whose segment holds it (segment 2b + 1), None for other segments."""
+    labels: List[Optional[int]] = []
+    for t in range(rows):
+        (s,) = [i for i in range(len(off) - 1) if off[i] <= t < off[i + 1]]
+        labels.append((s - 1) // 2 if s % 2 else None)
+    return labels
+
+
+def _random_layout(rng: random.Random) -> Tuple[List[int], List[int], Dict[str, Any]]:
+    n = rng.randint(1, 5)
+    lq = [rng.choice([0, 0, 1, 2, 5, 9]) for _ in range(n)]
+    lk = [rng.choice([0, 0, 1, 3, 7]) for _ in range(n)]
+    kw = dict(
+        gap_q=[rng.choice([0, 0, 1, 4]) for _ in range(n)],
+        gap_kv=[rng.choice([0, 0, 2, 6]) for _ in range(n)],
+        lead=rng.choice([0, 0, 3]),
+        tail=rng.choice([0, 0, 2]),
+    )
+    return lq, lk, kw
+
+
+def test_segments_match_brute_force() -> None:
+    """Every row of both buffers lies in exactly one segment; sequence b's valid rows, and
+    only those, lie in segment 2b + 1 (padded offsets given, or None = the valid ones)."""
+    rng = random.Random(0)
+    for case in range(300):
+        lq, lk, kw = _random_layout(rng)
+        padded = case % 3 != 0
+        if not padded:
+            kw.update(gap_q=0, gap_kv=0, lead=0)
+        batch = make_batch(lq, lk, heads_q=1, heads_kv=1, head_dim=8, dtype=torch.float32, **kw)
+        call = {**batch.offsets("cpu"), "q": None}
+        if not padded:
+            call["cu_seqlens_q_padded"] = call["cu_seqlens_kv_padded"] = None
+        start_q, len_q, start_k, len_k = fallback._sequences(call)
+        for start, length, rows, pad, lens in (
+            (start_q, len_q, batch.rows_q, batch.pad_q, lq),
+            (start_k, len_k, batch.rows_kv, batch.pad_kv, lk),
+        ):
+            off = fallback._segments(start, start + length, rows)
+            assert off.dtype == torch.int32 and off.numel() == 2 * len(lens) + 2
+            got = off.tolist()
+            assert got[0] == 0 and got[-1] == rows and got == sorted(got), (case, got)
+            want = [None] * rows
+            for b, (p, n) in enumerate(zip(pad, lens)):
+                for r in range(p, p + n):
+                    want[r] = b
+            assert _labels_from_offsets(got, rows) == want, (case, lq, lk, kw, got)
+
+
+def test_segments_keep_impossible_offsets_inside_the_buffer() -> None:
+    """Offsets TE should never pass (negative, decreasing, past the end) still give
+    non-decreasing segment offsets within [0, rows]: FlashAttention-2 reads no other memory."""
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(200):
+        lo = torch.randint(-20, 60, (6,), generator=gen, dtype=torch.int32)
+        hi = lo + torch.randint(-10, 30, (6,), generator=gen, dtype=torch.int32)
+        off = fallback._segments(lo, hi, 40).tolist()
+        assert off[0] == 0 and off[-1] == 40 and off == sorted(off) and max(off) <= 40
+
+
+# ----------------------------------------------------------------------- mask mapping
+def _expected_decline(mask: str, window, brd, one: bool) -> Optional[str]:
+    if not mask.startswith("padding"):
+        return "attn_mask_type"
+    causal = "causal" in mask
+    bottom_right = mask.endswith("bottom_right")
+    if causal and window[1] > 0:
+        return "window_size"
+    if causal and brd is not None and brd != bottom_right:
+        return "bottom_right_diagonal"
+    right = 0 if causal else window[1]
+    top_left = not (bottom_right if brd is None else brd)
+    if top_left and (window[0], right) not in ((-1, -1), (-1, 0)) and not one:
+        return "top-left"
+    return None
+
+
+def _fa2_mask(lq: int, lk: int, plan, max_q: int, max_k: int) -> torch.Tensor:
+    """The mask FlashAttention-2 applies for the plan: one call, or top-left causal split
+    in a causal square of n = min(lq, lk) and the queries from n on over every key."""
+    _, window, split = plan
+    if not split:
+        return _fa2_allowed(lq, lk, *_fa2_window(max_q, max_k, False, *window, forward=False))
+    n = min(lq, lk)
+    out = torch.zeros(lq, lk, dtype=torch.bool)
+    out[:n, :n] = _fa2_allowed(n, n, *_fa2_window(max_q, max_k, False, -1, 0, forward=False))
+    out[n:] = _fa2_allowed(lq - n, lk, *_fa2_window(max_q, max_k, False, -1, -1, forward=False))
+    return out
+
+
+@pytest.mark.parametrize("mask", MASKS)
+def test_mask_mapping_matches_brute_force(mask: str) -> None:
+    """For every window, bottom_right_diagonal and lq <, =, > lk, with tight and TE-rounded
+    bounds: FlashAttention-2's mask equals TE's, or the plan declines exactly where expected."""
+    for window, brd, (lq, lk) in itertools.product(WINDOWS, (None, False, True), LENGTHS):
+        for one, tight in itertools.product((False, True), (False, True)):
+            if one and lq != lk:
+                continue
+            batch = make_batch(
+                [lq], [lk], heads_q=1, heads_kv=1, head_dim=8, dtype=torch.float32,
+                mask=mask, window=window, bottom_right_diagonal=brd,
+            )  # fmt: skip
+            offsets = batch.offsets("cpu")
+            if one:
+                offsets["cu_seqlens_kv"] = offsets["cu_seqlens_q"]
+            bounds = (lq, lk) if tight else batch.max_seqlens()
+            call = dict(
+                offsets, attn_mask_type=mask, window_size=window, bottom_right_diagonal=brd,
+                max_seqlen_q=bounds[0], max_seqlen_kv=bounds[1],
+            )  # fmt: skip
+            plan = fallback._mask_plan(call)
+            expected = _expected_decline(mask, window, brd, one)
+            case = (mask, window, brd, lq, lk, one, tight)
+            assert (plan[0] is None) == (expected is None), (case, plan)
+            if expected is not None:
+                assert expected in plan[0], (case, plan)
+                continue
+            got = _fa2_mask(lq, lk, plan, *fallback._bounds(call))
+            assert torch.equal(got, attention_mask(lq, lk, batch)), (case, plan, got)
+
+
+# ------------------------------------------------------------------------ end to end
+def _check(batch: ThdBatch, call: Dict[str, Any], out: Sequence[Any]) -> None:
+    assert len(out) == 5 and out[3] is None and out[4] is None
+    dq, dk, dv = out[:3]
+    assert dq.shape == call["q"].shape and dk.shape == call["k"].shape
+    pads = (call["cu_seqlens_q_padded"], call["cu_seqlens_kv_padded"])
+    zero_dead_rows(
+        dq,
+        dk,
+        dv,
+        call["cu_seqlens_q"],
+        call["cu_seqlens_kv"],
+        *pads,
+        attn_mask_type=batch.mask,
+        window_size=batch.window,
+        bottom_right_diagonal=batch.bottom_right_diagonal,
+        impl="torch",
+    )
+    ref = reference_attention(batch)
+    for name, got in zip(("dq", "dk", "dv"), (dq, dk, dv)):
+        assert torch.isfinite(got).all(), name
+        torch.testing.assert_close(got, ref[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+LAYOUTS = [  # (lq, lk, gaps and lead/tail rows)
+    ([5, 0, 7, 3, 0], [6, 4, 0, 3, 0], dict(gap_q=[2, 0, 3, 9, 1], gap_kv=[0, 5, 1, 0, 2])),
+    ([9, 2, 0, 6], [3, 8, 5, 6], dict(gap_q=[0, 4, 2, 0], gap_kv=[3, 0, 0, 7], lead=4, tail=3)),
+    ([4, 4, 1], [4, 4, 1], dict(gap_q=[12, 0, 1], gap_kv=[12, 0, 1], lead=2, tail=14)),
+    ([9, 6, 3], [2, 1, 0], dict(gap_q=[0, 2, 0], gap_kv=[1, 0, 3])),  # lq > max lk + window
+]
+CASES = [  # (mask, window, bottom_right_diagonal)
+    ("padding", (-1, -1), None),
+    ("padding_causal", (-1, 0), None),
+    ("padding_causal_bottom_right", (-1, 0), None),
+    ("padding_causal_bottom_right", (3, 0), None),
+    ("padding", (2, 1), True),
+    ("padding", (-1, 0), None),
+    ("padding", (4, -1), True),
+    ("padding", (1, 3), True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}")
+@pytest.mark.parametrize("layout", range(len(LAYOUTS)))
+def test_exact_backward_matches_reference(emulated, case, layout, heads=(4, 2)) -> None:
+    lq, lk, kw = LAYOUTS[layout]
+    mask, window, brd = case
+    batch = _batch(lq, lk, heads, mask=mask, window=window, bottom_right_diagonal=brd, **kw)
+    for tight, one in ((False, False), (True, False), (True, True)):
+        if one and (batch.cu_q != batch.cu_kv or batch.pad_q != batch.pad_kv):
+            continue
+        call = _call(batch, tight=tight, one_offsets=one)
+        _check(batch, call, fallback.exact_backward(call))
+
+
+@pytest.mark.parametrize("heads", [(4, 1), (3, 3)], ids=["mqa", "mha"])
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[-1]], ids=["tl", "br", "win"])
+@pytest.mark.parametrize("layout", [0, 2])
+def test_exact_backward_mqa_mha(emulated, case, layout, heads) -> None:
+    test_exact_backward_matches_reference(emulated, case, layout, heads)
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=["tl", "br"])
+def test_v_head_dim_below_q_is_zero_padded(emulated, case) -> None:
+    """MLA-like shapes (v's head dim below q/k's): v and dO padded with zero columns."""
+    lq, lk, kw = LAYOUTS[0]
+    mask, window, brd = case
+    batch = _batch(lq, lk, mask=mask, window=window, bottom_right_diagonal=brd, dim=16,
+                   head_dim_v=8, **kw)  # fmt: skip
+    call = _call(batch)
+    assert fallback.why_not(call) is None
+    out = fallback.exact_backward(call)
+    assert out[2].shape == batch.tensors["v"].shape
+    _check(batch, call, out)
+
+
+def test_max_seqlen_q_of_one(emulated) -> None:
+    """Every sequence with at most one query: FlashAttention-2 must not take its decode path."""
+    batch = _batch([1, 0, 1], [3, 2, 4], mask="padding", gap_q=[4, 0, 2], tail=1)
+    call = _call(batch, tight=True)
+    assert call["max_seqlen_q"] == 1
+    _check(batch, call, fallback.exact_backward(call))
+
+
+@pytest.mark.parametrize("window", [(-1, 0), (2, 0), (1, 3)])
+def test_top_left_windows_with_one_offsets_tensor(emulated, window) -> None:
+    """Self-attention (cu_seqlens_kv is cu_seqlens_q): top-left windows are exact in one call."""
+    lens = [6, 0, 9, 3]
+    mask = "padding" if window[1] > 0 else "padding_causal"
+    batch = _batch(lens, lens, mask=mask, window=window, gap_q=[1, 2, 0, 5], gap_kv=[1, 2, 0, 5])
+    call = _call(batch, one_offsets=True, tight=True)
+    _check(batch, call, fallback.exact_backward(call))
+    assert emulated.calls == ["fwd", "bwd"]
+
+
+def test_top_left_causal_across_two_offset_tensors_is_split(emulated) -> None:
+    batch = _batch([7, 2, 0, 5], [3, 6, 4, 5], mask="padding_causal", gap_q=[0, 3, 1, 2])
+    call = _call(batch, tight=True)
+    _check(batch, call, fallback.exact_backward(call))
+    assert emulated.calls == ["fwd", "bwd", "fwd", "bwd"]
+
+
+def test_no_padded_offsets(emulated) -> None:
+    batch = _batch([5, 0, 3], [2, 6, 0], mask="padding_causal_bottom_right", tail=3)
+    call = _call(batch, padded=False)
+    _check(batch, call, fallback.exact_backward(call))
+
+
+@pytest.mark.parametrize("layout", ["thd_t2hd", "thd_th2d", "t3hd", "th3d"])
+def test_packed_layouts_come_back_as_views_of_one_buffer(emulated, layout) -> None:
+    lens, gaps = [4, 0, 6], dict(gap_q=[1, 0, 2], gap_kv=[1, 0, 2], tail=2)
+    heads = (2, 2) if layout in ("t3hd", "th3d") else (4, 2)
+    batch = _batch(lens, lens, heads, mask="padding_causal_bottom_right", **gaps)
+    call = _call(batch, layout=layout)
+    out = fallback.exact_backward(call)
+    packed = out[1:3] if layout.startswith("thd_") else out[:3]
+    assert len({t._base.data_ptr() for t in packed}) == 1
+    assert all(t._base is packed[0]._base for t in packed)
+    _check(batch, call, out)
+
+
+def _span(pair):
+    start, length = pair
+    return start, start + length
+
+
+# ----------------------------------------------------------------------------- why_not
+def _half_call(**extra: Any) -> Dict[str, Any]:
+    batch = make_batch([3, 2], [3, 4], heads_q=4, heads_kv=2, head_dim=8, dtype=torch.bfloat16)
+    random_inputs(batch, device="cpu")
+    return _call(batch, **extra)
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (dict(dropout=0.1), "dropout"),
+        (dict(attn_bias_type="post_scale_bias"), "attn_bias_type"),
+        (dict(softmax_type="learnable"), "softmax_type"),
+        (dict(dqkv_quantizer=object()), "FP8"),
+        (dict(qkv_layout="bshd_bshd_bshd"), "qkv_layout"),
+        (dict(dqkv_layout="sbh3d"), "dqkv_layout"),
+        (dict(o_format="sbhd"), "o_format"),
+        (dict(attn_mask_type="arbitrary"), "attn_mask_type"),
+        (dict(attn_mask_type="causal_bottom_right"), "attn_mask_type"),
+        (dict(window_size=(2, 3), attn_mask_type="padding_causal"), "window_size"),
+        (dict(window_size=(1, 0), attn_mask_type="padding_causal"), "top-left"),
+        (dict(window_size=(1, 2)), "window_size"),
+        (dict(window_size=(-2, 0)), "window_size"),
+        (dict(bottom_right_diagonal=True, attn_mask_type="padding_causal"), "bottom_right"),
+        (dict(bottom_right_diagonal="yes"), "bottom_right_diagonal"),
+        (dict(cu_seqlens_kv_padded=None), "padded"),
+        (dict(cu_seqlens_q=torch.tensor([0, 3, 5])), "cu_seqlens_q"),
+        (dict(max_seqlen_q=None), "max_seqlen_q"),
+        (dict(fake_dtype=torch.float16), "fake_dtype"),
+        (dict(deterministic=True), "deterministic"),
+    ],
+)
+def test_why_not_names_each_reason(extra: Dict[str, Any], words: str) -> None:
+    reason = fallback.why_not(_half_call(**extra))
+    assert reason is not None and words in reason, reason
+    with pytest.raises(ValueError, match="cannot reproduce"):
+        fallback.exact_backward(_half_call(**extra))
+
+
+def test_why_not_shapes_dtypes_and_device() -> None:
+    call = _half_call()
+    assert "not CUDA" in fallback.why_not(call)  # the one reason left on CPU
+    q, k, v = call["q"], call["k"], call["v"]
+    cases = [
+        (
+            dict(
+                q=q.float(),
+                k=k.float(),
+                v=v.float(),
+                d_o=call["d_o"].float(),
+                fake_dtype=torch.float32,
+            ),
+            "dtype torch.float32",
+        ),
+        (dict(v=v[..., :4].contiguous()), "head dims"),
+        (dict(k=k[:, :1].repeat(1, 3, 1), v=v[:, :1].repeat(1, 3, 1)), "heads"),
+        (dict(q=q[..., :4], k=k[..., :4], v=v[..., :4], d_o=call["d_o"][..., :4]), "head dim"),
+        (dict(q=q.unsqueeze(0)), "3-D"),
+        (dict(d_o=call["d_o"].half()), "d_o"),
+        (dict(qkv_layout="t3hd", dqkv_layout="t3hd"), "t3hd"),
+    ]
+    for extra, words in cases:
+        reason = fallback.why_not({**call, **extra})
+        assert reason is not None and words in reason, (words, reason)
+
+
+def test_why_not_accepts_te_2_8_arguments() -> None:
+    """TE 2.8 .. 2.14 name the output dtype ``dqkv_dtype`` (a tex.DType) and have no formats."""
+
+    class DType:  # what str() of transformer_engine_torch.DType members gives
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __str__(self) -> str:
+            return f"DType.{self.name}"
+
+    call = _half_call()
+    for name in ("o_format", "do_format", "dqkv_layout", "bottom_right_diagonal", "cuda_graph"):
+        del call[name]
+    assert "not CUDA" in fallback.why_not({**call, "dqkv_dtype": DType("kBFloat16")})
+    assert "dqkv_dtype" in fallback.why_not({**call, "dqkv_dtype": DType("kFloat16")})
+    # Before TE 2.12 cuDNN gets no right bound for a non-causal mask: a window is not TE's rule.
+    for window in ((-1, 0), (3, 2)):
+        reason = fallback.why_not({**call, "attn_mask_type": "padding", "window_size": window})
+        assert "TE < 2.12" in reason, reason
+
+
+@pytest.mark.parametrize("version", ["2.8", "2.20"])
+def test_calls_bound_from_te_signatures(emulated, version: str) -> None:
+    """What the wrapper hands over: TE's own signature bound by name, defaults applied (2.8
+    has ``dqkv_dtype`` and no formats, dqkv_layout or bottom_right_diagonal)."""
+    from fakes.te_signatures import build_fake
+
+    batch = _batch([5, 0, 3], [4, 2, 6], mask="padding_causal_bottom_right", gap_kv=[1, 0, 2])
+    fake = build_fake(version, lambda arguments: arguments)
+    names = inspect.signature(fake).parameters
+    kwargs = {k: v for k, v in _call(batch, dqkv_dtype=torch.float32).items() if k in names}
+    call = fake(**kwargs)
+    assert set(call) == set(names)
+    _check(batch, call, fallback.exact_backward(call))
+
+
+def test_coverage_is_short_text() -> None:
+    lines = fallback.coverage()
+    assert lines and all(isinstance(line, str) and line for line in lines)
+    assert any(line.startswith("declined:") for line in lines)

@@ -1,0 +1,364 @@
+"""The wrapper's decisions that depend on the stack: a fixed cuDNN, and the guard.
+
+The tensors stay on CPU; the wrapper is told they are on CUDA device 0 (``_device_index``)
+and the stack facts are the ones :mod:`te_gqa_fix.affected` reads (``runtime_facts``), so
+its real rule decides: Hopper with cuDNN < 9.18 is affected; head dim 256 (or q/k 128 with
+v 192) is beyond any post-pass there; 9.18 and newer is fixed. The exact fallback is
+replaced by a fake (``te_gqa_fix.fallback.why_not``/``exact_backward``) that records what
+it was asked.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional, Tuple
+
+import pytest
+import torch
+
+from fakes.oracle import make_ragged
+from fakes.te_outputs import FakeBackend, FakeTE, assert_post_pass, assert_untouched, call_arguments
+from te_gqa_fix import affected, fallback
+from te_gqa_fix import wrapper as wrapper_module
+from te_gqa_fix.affected import UnrepairableConfiguration
+from te_gqa_fix.settings import SettingError
+from te_gqa_fix.stack import RuntimeFacts
+from te_gqa_fix.wrapper import call_counts, wrapper_for
+
+RAGGED = make_ragged([(3, 5), (0, 4), (4, 0), (2, 2)], gaps_kv=[2, 1, 0, 1], lead_kv=1, tail_kv=2)
+HOPPER, AMPERE = (9, 0), (8, 0)
+AFFECTED, FIXED = (9, 14, 0), (9, 19, 0)
+GQA, MHA = dict(heads_q=4, heads_kv=2), dict(heads_q=2, heads_kv=2)
+
+
+class Stack:
+    """The stack the wrapper sees: the tensors on CUDA device ``device``, whose facts are
+    ``facts[device]`` (device 0: Hopper with the given cuDNN unless told otherwise)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, cudnn: Optional[tuple],
+                 capability: Optional[tuple] = HOPPER) -> None:  # fmt: skip
+        self.device = 0
+        self.facts = {0: RuntimeFacts(capability, cudnn)}  # type: ignore[arg-type]
+        monkeypatch.setattr(wrapper_module, "_device_index", lambda q: self.device)
+        monkeypatch.setattr(affected, "runtime_facts", lambda index: self.facts[index])
+        affected.reset()
+
+
+def _args(head_dim: int = 256, d_v: Optional[int] = None, heads: Optional[dict] = None,
+          **kw: Any) -> Dict[str, Any]:  # fmt: skip
+    arguments = call_arguments("2.20", RAGGED, head_dim=head_dim, **(heads or GQA), **kw)
+    if d_v is not None:
+        arguments["v"] = torch.randn(*arguments["k"].shape[:2], d_v)
+    return arguments
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> List[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+class FakeFallback:
+    """Stands in for :mod:`te_gqa_fix.fallback`: declines with ``reason`` (None: serves,
+    returning stale outputs from its own :class:`FakeBackend`)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, reason: Optional[str]) -> None:
+        self.reason = reason
+        self.backend = FakeBackend(seed=5)
+        self.asked: List[Dict[str, Any]] = []
+        monkeypatch.setattr(fallback, "why_not", self.why_not)
+        monkeypatch.setattr(fallback, "exact_backward", self.exact_backward)
+
+    def why_not(self, call: Dict[str, Any]) -> Optional[str]:
+        self.asked.append(call)
+        return self.reason
+
+    def exact_backward(self, call: Dict[str, Any]) -> list:
+        assert self.reason is None, "exact_backward called after why_not declined"
+        return self.backend(dict(call))
+
+
+# --------------------------------------------------------------------- a fixed cuDNN
+
+
+def test_auto_passes_through_on_fixed_cudnn(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nothing to repair and nothing to guard: TE's outputs untouched, nothing checked
+    (offsets the post-pass would refuse go to TE), no guard even under strict."""
+    Stack(monkeypatch, FIXED)
+    monkeypatch.setenv("TE_GQA_FIX_GUARD", "strict")
+    fake = FakeTE("2.20")
+    wrapped = wrapper_for(fake.fn)
+    with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
+        for _ in range(3):
+            fake.backend.reset()
+            assert wrapped(**_args(offsets_dtype=torch.int64)) is fake.backend.returned
+            assert_untouched(fake.backend.outputs)
+    assert _warnings(caplog) == []
+    assert call_counts() == {"calls": 3, "fixed": 0, "skipped": 3, "passthrough": 0, "fallback": 0}
+
+
+@pytest.mark.parametrize("heads", [GQA, MHA], ids=["gqa", "mha"])
+def test_always_runs_the_post_pass_on_every_call_on_fixed_cudnn(
+    monkeypatch: pytest.MonkeyPatch, heads: dict
+) -> None:
+    """Issue 26 (mutant W08): ``always`` on a fixed cuDNN runs the post-pass on every
+    call, not only the first: three calls, each checked against the oracle."""
+    Stack(monkeypatch, FIXED)
+    monkeypatch.setenv("TE_GQA_FIX", "always")
+    fake = FakeTE("2.20")
+    wrapped = wrapper_for(fake.fn)
+    for i in range(3):
+        fake.backend.reset()
+        wrapped(**_args(head_dim=8, heads=heads))
+        assert_post_pass(fake.backend.outputs, RAGGED, "padding_causal", (-1, -1), None)
+        assert call_counts()["fixed"] == i + 1
+    assert call_counts() == {"calls": 3, "fixed": 3, "skipped": 0, "passthrough": 0, "fallback": 0}
+
+
+@pytest.mark.parametrize(
+    ("cudnn", "capability"),
+    [(AFFECTED, HOPPER), (None, HOPPER), (FIXED, None), (AFFECTED, AMPERE)],
+    ids=["affected", "cudnn-unknown", "gpu-unknown", "ampere"],
+)
+def test_auto_repairs_where_cudnn_is_not_known_fixed(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    cudnn: Optional[tuple],
+    capability: Optional[tuple],
+) -> None:
+    """Not known to be fixed (older, or unknown): the post-pass runs on every call; at a
+    repairable head dim there is nothing to say. A fixed cuDNN on an unknown GPU is fixed."""
+    Stack(monkeypatch, cudnn, capability)
+    fake = FakeTE("2.20")
+    wrapped = wrapper_for(fake.fn)
+    with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
+        for _ in range(2):
+            fake.backend.reset()
+            wrapped(**_args(head_dim=128))
+            if cudnn == FIXED:
+                assert_untouched(fake.backend.outputs)
+            else:
+                assert_post_pass(fake.backend.outputs, RAGGED, "padding_causal", (-1, -1), None)
+    assert _warnings(caplog) == []
+    assert call_counts()["fixed" if cudnn != FIXED else "skipped"] == 2
+
+
+# --------------------------------------------------------------------- the guard
+
+
+@pytest.mark.parametrize("heads", [GQA, MHA], ids=["gqa", "mha"])
+def test_guard_warn_warns_once_and_keeps_tes_result(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, heads: dict
+) -> None:
+    Stack(monkeypatch, AFFECTED)
+    monkeypatch.setenv("TE_GQA_FIX_GUARD", "warn")
+    asked = FakeFallback(monkeypatch, None).asked
+    fake = FakeTE("2.20")
+    wrapped = wrapper_for(fake.fn)
+    with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
+        for _ in range(3):
+            fake.backend.reset()
+            assert wrapped(**_args(heads=heads)) is fake.backend.returned
+            assert len(fake.backend.calls) == 1
+            if heads is GQA:  # the post-pass still runs where it applies
+                assert_post_pass(fake.backend.outputs, RAGGED, "padding_causal", (-1, -1), None)
+            else:
+                assert_untouched(fake.backend.outputs)
+    (said,) = _warnings(caplog)
+    assert "head dim 256" in said and "sm90" in said and "cuDNN 9.14.0" in said, said
+    assert "TE_GQA_FIX_CUDNN=auto" in said, said
+    assert asked == []
+    assert call_counts()["fixed" if heads is GQA else "skipped"] == 3
+
+
+@pytest.mark.parametrize("heads", [GQA, MHA], ids=["gqa", "mha"])
+def test_guard_strict_raises_on_every_call(monkeypatch: pytest.MonkeyPatch, heads: dict) -> None:
+    Stack(monkeypatch, AFFECTED)
+    monkeypatch.setenv("TE_GQA_FIX_GUARD", "strict")
+    fake = FakeTE("2.20")
+    wrapped = wrapper_for(fake.fn)
+    for _ in range(3):  # cached call shapes too
+        with pytest.raises(UnrepairableConfiguration, match="head dim 256 on sm90"):
+            wrapped(**_args(heads=heads))
+    assert fake.backend.calls == [], "TE ran under strict"
+
+
+def test_guard_off_is_silent(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    Stack(monkeypatch, AFFECTED)
+    monkeypatch.setenv("TE_GQA_FIX_GUARD", "off")
+    asked = FakeFallback(monkeypatch, None).asked
+    fake = FakeTE("2.20")
+    wrapped = wrapper_for(fake.fn)
+    with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
+        for _ in range(2):
+            fake.backend.reset()
+            wrapped(**_args())
+            assert_post_pass(fake.backend.outputs, RAGGED, "padding_causal", (-1, -1), None)
+    assert _warnings(caplog) == [] and asked == []
+    assert call_counts()["fixed"] == 2
+
+
+@pytest.mark.parametrize(
+    ("setting", "heads", "n_positional"),
+    [(None, GQA, 0), ("fallback", MHA, 12), (" Fallback", GQA, 40), (None, MHA, 40)],
+    ids=[
+        "default-gqa-keywords",
+        "fallback-mha-cp",
+        "Fallback-gqa-positional",
+        "default-mha-positional",
+    ],
+)
+def test_fallback_replaces_tes_call(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    setting: Optional[str],
+    heads: dict,
+    n_positional: int,
+) -> None:
+    """The default guard: where the fallback can serve the call (``why_not`` None), its
+    output is returned instead of TE's (TE's original is not called), with the post-pass
+    run on it; it is asked with every argument by name, as the caller passed them."""
+    from fakes.te_outputs import split_call
+
+    Stack(monkeypatch, AFFECTED)
+    if setting is not None:
+        monkeypatch.setenv("TE_GQA_FIX_GUARD", setting)
+    exact = FakeFallback(monkeypatch, None)
+    fake = FakeTE("2.20")
+    wrapped = wrapper_for(fake.fn)
+    with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
+        for i in range(2):
+            exact.backend.reset()
+            arguments = _args(heads=heads)
+            args, kwargs = split_call(fake.names, arguments, n_positional)
+            out = wrapped(*args, **kwargs)
+            assert out is exact.backend.returned
+            assert_post_pass(exact.backend.outputs, RAGGED, "padding_causal", (-1, -1), None)
+            call = exact.asked[i]
+            assert set(call) == set(fake.names)
+            assert all(call[n] is arguments[n] for n in fake.names)
+    assert fake.backend.calls == [], "TE's original ran"
+    (said,) = _warnings(caplog)
+    assert "exactly" in said and "slower" in said and "TE_GQA_FIX_CUDNN=auto" in said, said
+    assert call_counts() == {"calls": 2, "fixed": 0, "skipped": 0, "passthrough": 0, "fallback": 2}
+
+
+def test_fallback_that_declines_warns_with_its_reason(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    Stack(monkeypatch, AFFECTED)
+    exact = FakeFallback(monkeypatch, "dropout > 0 needs TE's RNG")
+    fake = FakeTE("2.20")
+    wrapped = wrapper_for(fake.fn)
+    with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
+        for _ in range(2):
+            fake.backend.reset()
+            assert wrapped(**_args()) is fake.backend.returned
+            assert_post_pass(fake.backend.outputs, RAGGED, "padding_causal", (-1, -1), None)
+    (said,) = _warnings(caplog)
+    assert "head dim 256" in said and "dropout > 0 needs TE's RNG" in said, said
+    assert len(exact.asked) == 2
+    assert call_counts() == {"calls": 2, "fixed": 2, "skipped": 0, "passthrough": 0, "fallback": 0}
+
+
+def test_fallback_output_not_understood_passes_through(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    Stack(monkeypatch, AFFECTED)
+    exact = FakeFallback(monkeypatch, None)
+    monkeypatch.setattr(fallback, "exact_backward", lambda call: {"dq": None})
+    fake = FakeTE("2.20")
+    assert wrapper_for(fake.fn)(**_args()) == {"dq": None}
+    assert len(exact.asked) == 1 and fake.backend.calls == []
+    assert call_counts() == {"calls": 1, "fixed": 0, "skipped": 0, "passthrough": 1, "fallback": 0}
+
+
+def test_guard_setting_change_between_calls_takes_effect(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One call shape, the setting changed between calls: each call does what it says."""
+    Stack(monkeypatch, AFFECTED)
+    exact = FakeFallback(monkeypatch, None)
+    fake = FakeTE("2.20")
+    wrapped = wrapper_for(fake.fn)
+    for mode in ("warn", "strict", "off", "fallback", "strict"):
+        monkeypatch.setenv("TE_GQA_FIX_GUARD", mode)
+        if mode == "strict":
+            with pytest.raises(UnrepairableConfiguration):
+                wrapped(**_args())
+        else:
+            wrapped(**_args())
+    assert len(fake.backend.calls) == 2 and len(exact.asked) == 1
+    assert call_counts() == {"calls": 5, "fixed": 2, "skipped": 0, "passthrough": 0, "fallback": 1}
+
+
+@pytest.mark.parametrize("value", ["stirct", "raise", "warning"])
+def test_mistyped_guard_setting_is_an_error(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """Issue 26: a typo (``stirct``, ``raise``) used to mean ``warn``: training went on
+    with wrong gradients. Now the call raises, naming the variable, before TE runs."""
+    Stack(monkeypatch, AFFECTED)
+    monkeypatch.setenv("TE_GQA_FIX_GUARD", value)
+    fake = FakeTE("2.20")
+    wrapped = wrapper_for(fake.fn)
+    for _ in range(2):
+        with pytest.raises(SettingError, match=rf"^TE_GQA_FIX_GUARD={value!r} .*'strict'"):
+            wrapped(**_args())
+    assert fake.backend.calls == []
+
+
+def test_guard_counts_configurations_and_devices(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One warning per configuration (device, head dims), whatever the call shape; a
+    device of another stack is decided on its own facts, also for a cached call shape."""
+    stack = Stack(monkeypatch, AFFECTED)
+    stack.facts[1] = RuntimeFacts(AMPERE, AFFECTED)
+    monkeypatch.setenv("TE_GQA_FIX_GUARD", "warn")
+    fake = FakeTE("2.20")
+    wrapped = wrapper_for(fake.fn)
+    with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
+        for head_dim, ragged in ((256, RAGGED), (256, RAGGED), (192, RAGGED)):
+            wrapped(**call_arguments("2.20", ragged, head_dim=head_dim, **GQA))
+        wrapped(**call_arguments("2.20", make_ragged([(2, 2)]), head_dim=256, **GQA))
+    said = _warnings(caplog)
+    assert len(said) == 2 and "head dim 256" in said[0] and "head dim 192" in said[1], said
+    monkeypatch.setenv("TE_GQA_FIX_GUARD", "strict")
+    stack.device = 1  # the same call shape on an Ampere GPU: nothing to guard
+    wrapped(**_args())
+    stack.device = 0
+    with pytest.raises(UnrepairableConfiguration):
+        wrapped(**_args())
+
+
+@pytest.mark.parametrize(
+    ("d_qk", "d_v", "unrepairable"),
+    [(192, 128, False), (128, 192, True), (128, 128, False), (192, 192, True), (256, 256, True)],
+)
+def test_guard_reads_the_qk_and_v_head_dims(
+    monkeypatch: pytest.MonkeyPatch, d_qk: int, d_v: int, unrepairable: bool
+) -> None:
+    """The rule is per (q/k head dim, v head dim): 192/128 was measured clean."""
+    Stack(monkeypatch, AFFECTED)
+    monkeypatch.setenv("TE_GQA_FIX_GUARD", "strict")
+    fake = FakeTE("2.20")
+    arguments = _args(head_dim=d_qk, d_v=d_v)
+    if unrepairable:
+        with pytest.raises(UnrepairableConfiguration):
+            wrapper_for(fake.fn)(**arguments)
+    else:
+        wrapper_for(fake.fn)(**arguments)
+        assert_post_pass(fake.backend.outputs, RAGGED, "padding_causal", (-1, -1), None)
+
+
+def test_cpu_tensors_are_never_guarded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No CUDA device, no cuDNN: the post-pass runs, the guard is never asked."""
+    asked: List[Tuple[Any, ...]] = []
+    monkeypatch.setattr(affected, "unrepairable", lambda *a: asked.append(a))
+    monkeypatch.setattr(affected, "cudnn_fixed", lambda *a: asked.append(a))
+    monkeypatch.setenv("TE_GQA_FIX_GUARD", "strict")
+    fake = FakeTE("2.20")
+    wrapper_for(fake.fn)(**_args())
+    assert asked == []
+    assert_post_pass(fake.backend.outputs, RAGGED, "padding_causal", (-1, -1), None)
