@@ -362,3 +362,24 @@ def test_cpu_tensors_are_never_guarded(monkeypatch: pytest.MonkeyPatch) -> None:
     wrapper_for(fake.fn)(**_args())
     assert asked == []
     assert_post_pass(fake.backend.outputs, RAGGED, "padding_causal", (-1, -1), None)
+
+
+@pytest.mark.parametrize("heads", [GQA, MHA], ids=["gqa", "mha"])
+def test_fixed_cudnn_still_wrong_at_256_128_goes_to_the_fallback(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, heads: dict
+) -> None:
+    """q/k 256 with v 128 was measured wrong on cuDNN 9.19 too: on a fixed cuDNN the wrapper
+    does not pass it through; the fallback serves it, and says no cuDNN fixes it."""
+    Stack(monkeypatch, FIXED)
+    asked = FakeFallback(monkeypatch, None).asked
+    fake = FakeTE("2.20")
+    wrapped = wrapper_for(fake.fn)
+    with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
+        wrapped(**_args(256, d_v=128, heads=heads))
+        wrapped(**_args(256))  # 256/256 on a fixed cuDNN: passed through
+    assert len(asked) == 1 and fake.backend.calls and len(fake.backend.calls) == 1
+    assert call_counts()["fallback"] == 1 and call_counts()["skipped"] == 1
+    (said,) = _warnings(caplog)
+    assert "256 (q/k) / 128 (v)" in said and "No cuDNN measured so far fixes it" in said, said
+    assert affected.verdict(HOPPER, FIXED, 256, 128).status == "unrepairable"
+    assert affected.verdict(HOPPER, FIXED, 256, 256).status == "not_affected"

@@ -19,11 +19,13 @@ __all__ = [
     "MAX_REPAIRABLE_HEAD_DIM",
     "MEASURED_CLEAN_ABOVE_128",
     "MEASURED_WRONG_ABOVE_128",
+    "WRONG_ON_FIXED_CUDNN",
     "UnrepairableConfiguration",
     "Verdict",
     "cudnn_fixed",
     "cudnn_is_fixed",
     "head_dims_repairable",
+    "passes_through",
     "remedy",
     "reset",
     "unrepairable",
@@ -39,6 +41,8 @@ MEASURED_CLEAN_ABOVE_128: FrozenSet[Tuple[int, int]] = frozenset({(192, 128)})
 MEASURED_WRONG_ABOVE_128: FrozenSet[Tuple[int, int]] = frozenset(
     {(160, 160), (192, 192), (224, 224), (256, 256), (256, 128)}
 )
+#: Shapes measured wrong on live rows on cuDNN 9.19 as well: no cuDNN measured fixes them.
+WRONG_ON_FIXED_CUDNN: FrozenSet[Tuple[int, int]] = frozenset({(256, 128)})
 
 
 def _shapes(dims: FrozenSet[Tuple[int, int]]) -> str:
@@ -99,6 +103,16 @@ def verdict(
                 "te-gqa-fix does no harm elsewhere",
             ),
         )
+    shape = None if head_dim is None else (head_dim, head_dim if head_dim_v is None else head_dim_v)
+    if cudnn_is_fixed(cud) and shape in WRONG_ON_FIXED_CUDNN:
+        return Verdict(
+            "unrepairable",
+            (
+                f"head dims {shape[0]}/{shape[1]} on {sm} are wrong on rows that receive "
+                f"attention with cuDNN {_vstr(cud)} too (measured on 9.14 and 9.19): the exact "
+                "fallback (TE_GQA_FIX_GUARD=fallback, the default) recomputes them",
+            ),
+        )
     if cudnn_is_fixed(cud):
         return Verdict(
             "not_affected",
@@ -141,6 +155,12 @@ _fixed: Dict[Optional[int], bool] = {}
 #: (device, d_qk, d_v) -> None (repairable) or why not
 _decisions: Dict[Tuple[Optional[int], int, int], Optional[str]] = {}
 _lock = threading.Lock()
+
+
+def passes_through(device_index: Optional[int], d_qk: int, d_v: int) -> bool:
+    """True when the cuDNN TE runs on this device is fixed and these head dims are not among
+    the shapes it is still wrong at: nothing to repair, nothing to guard (cached lookups)."""
+    return cudnn_fixed(device_index) and (d_qk, d_v) not in WRONG_ON_FIXED_CUDNN
 
 
 def cudnn_fixed(device_index: Optional[int]) -> bool:
@@ -191,10 +211,12 @@ def unrepairable(device_index: Optional[int], d_qk: int, d_v: int) -> Optional[s
     if verdict(facts.capability, facts.cudnn, d_qk, d_v).status == "unrepairable":
         cap = facts.capability or (0, 0)
         shape = f"{d_qk}" if d_qk == d_v else f"{d_qk} (q/k) / {d_v} (v)"
+        fixed = cudnn_is_fixed(facts.cudnn)
         msg = (
             f"te_gqa_fix: Transformer Engine's THD attention backward with head dim {shape} on "
             f"sm{cap[0]}{cap[1]} with cuDNN {_vstr(facts.cudnn or ())} returns wrong gradients "
-            f"on rows that receive attention; a post-pass cannot repair this. Remedy: {remedy()}"
+            "on rows that receive attention; a post-pass cannot repair this. "
+            + ("No cuDNN measured so far fixes it." if fixed else f"Remedy: {remedy()}")
         )
     with _lock:
         _decisions[key] = msg

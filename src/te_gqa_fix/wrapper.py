@@ -139,6 +139,14 @@ def _device_index(q: object) -> Optional[int]:
     return device.index if getattr(device, "type", None) == "cuda" else None
 
 
+def _head_dims(q: object, v: object) -> Tuple[int, int]:
+    """The q/k and v head dims (0 where a shape cannot be read)."""
+    if type(q) is _Tensor and type(v) is _Tensor:
+        return q.shape[-1], v.shape[-1]
+    sq, sv = shape_of(q), shape_of(v)
+    return (int(sq[-1]) if sq else 0), (int(sv[-1]) if sv else 0)
+
+
 def _where(t: torch.Tensor) -> object:
     """A tensor's device for a key: the index on CUDA (one C call), else the device."""
     return t.get_device() if t.is_cuda else t.device
@@ -183,10 +191,11 @@ def _decide(policy: str, dev: Optional[int], picked: tuple) -> Optional[_Entry]:
     fix_q, fix_kv = formats
     if not fix_kv:
         return _SKIP
-    sq, sk, sv = shape_of(q), shape_of(k), shape_of(v)
+    sq, sk = shape_of(q), shape_of(k)
+    d_qk, d_v = _head_dims(q, v)
     dims = None
-    if dev is not None and sq and sv and affected.unrepairable(dev, int(sq[-1]), int(sv[-1])):
-        dims = (dev, int(sq[-1]), int(sv[-1]))
+    if dev is not None and d_qk and d_v and affected.unrepairable(dev, d_qk, d_v):
+        dims = (dev, d_qk, d_v)
     h_q = int(sq[-2]) if sq and len(sq) >= 2 else None
     h_kv = int(sk[-2]) if sk and len(sk) >= 2 else None
     fix = policy == "always" or h_q is None or h_q != h_kv
@@ -270,9 +279,10 @@ def _new_wrapper(original: Callable) -> Callable:
             return original(*args, **kwargs)
         picked = sig.pick(args, kwargs)
         dev = _device_index(picked[0])
-        if policy == "auto" and dev is not None and affected.cudnn_fixed(dev):
-            _counts[_SKIPPED] += 1  # a fixed cuDNN: nothing to repair, nothing to guard
-            return original(*args, **kwargs)
+        if policy == "auto" and dev is not None:
+            if affected.passes_through(dev, *_head_dims(picked[0], picked[2])):
+                _counts[_SKIPPED] += 1  # a fixed cuDNN: nothing to repair, nothing to guard
+                return original(*args, **kwargs)
         key = _call_key(policy, dev, picked)
         try:
             entry = None if key is None else cache.get(key)
