@@ -7,11 +7,12 @@ gradients, with the offsets kept on the device: no host sync, CUDA-graph safe.
 
 from __future__ import annotations
 
-import operator
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+
+from .masks import window_pair
 
 __all__ = ["coverage", "exact_backward", "head_dim_reason", "why_not"]
 
@@ -56,14 +57,10 @@ def _mask_plan(call: Mapping[str, Any]) -> Tuple[Optional[str], Tuple[int, int],
         return _no(f"attn_mask_type={name!r} (THD takes {', '.join(_MASKS)})")
     causal, bottom_right = _MASKS[name]
     window = call.get("window_size")
-    window = (-1, -1) if window is None else window
-    try:
-        left, right = (operator.index(w) for w in window)
-        ok = min(left, right) >= -1 and not any(isinstance(w, bool) for w in window)
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
+    pair = window_pair(window)
+    if pair is None:
         return _no(f"window_size={window!r} is not two integers >= -1")
+    left, right = pair
     brd = call.get("bottom_right_diagonal")
     if brd is not None and not isinstance(brd, bool):
         return _no(f"bottom_right_diagonal={brd!r} is not a bool or None")

@@ -55,7 +55,8 @@ CONSERVATIVE = KeySpan(
 CONSERVATIVE_MASK_TYPES: Tuple[str, ...] = ("arbitrary",)
 
 
-def _window_pair(window_size: Optional[Sequence[int]]) -> Optional[Tuple[int, int]]:
+def window_pair(window_size: Optional[Sequence[int]]) -> Optional[Tuple[int, int]]:
+    """``(left, right)`` for TE's ``window_size`` (None: unbounded), or None when malformed."""
     if window_size is None:
         return (-1, -1)
     if isinstance(window_size, (str, bytes)):
@@ -89,7 +90,7 @@ def check_mask_arguments(
             f"attn_mask_type: expected one of {names} (TE's names; 'arbitrary' keeps every "
             f"valid key of a sequence with queries), got {attn_mask_type!r}"
         )
-    if _window_pair(window_size) is None:  # type: ignore[arg-type]
+    if window_pair(window_size) is None:  # type: ignore[arg-type]
         raise ValueError(
             "window_size: expected None or (left, right), two integers >= -1 "
             f"(-1 = unbounded), got {window_size!r}"
@@ -122,7 +123,7 @@ def key_span(
     if attn_mask_type in CONSERVATIVE_MASK_TYPES:
         return CONSERVATIVE
     known = _KNOWN_MASKS.get(attn_mask_type) if isinstance(attn_mask_type, str) else None
-    window = _window_pair(window_size)
+    window = window_pair(window_size)
     brd_ok = bottom_right_diagonal is None or isinstance(bottom_right_diagonal, bool)
     if known is None or window is None or not brd_ok:
         log_once(

@@ -31,12 +31,8 @@ Impl = Literal["auto", "torch", "triton"]
 
 @dataclass(frozen=True)
 class DeadRows:
-    """Boolean masks, True where a row's true gradient is 0 (and so must be zeroed).
-
-    ``errors`` is an int32 device scalar: the :data:`te_gqa_fix.offset_errors.ARGUMENT_BITS`
-    of offsets that cannot be right. When it is non-zero both masks are all False: a
-    call with impossible offsets zeroes nothing (see :mod:`te_gqa_fix.offset_errors`).
-    """
+    """Boolean masks, True where a row's true gradient is 0; ``errors``: the int32 device
+    scalar of offset error bits (non-zero: both masks all False, nothing is zeroed)."""
 
     q: Optional[torch.Tensor]
     kv: torch.Tensor
@@ -44,11 +40,8 @@ class DeadRows:
 
 
 def _segments(rows: int, padded: torch.Tensor):
-    """Sequence index and in-sequence position of each buffer row.
-
-    Row ``t`` belongs to sequence ``b`` when ``padded[b] <= t < padded[b + 1]``; rows before
-    ``padded[0]`` or from ``padded[B]`` on belong to none (``inside`` False).
-    """
+    """Per buffer row: inside a sequence (``padded[b] <= t < padded[b + 1]``), its ``b``,
+    and its position in the sequence."""
     nseq = padded.numel() - 1
     t = torch.arange(rows, device=padded.device, dtype=torch.int64)
     seg = torch.searchsorted(padded, t, right=True) - 1
@@ -95,11 +88,8 @@ def _offset_error_bits(
     rows_q: Optional[int],
     rows_kv: int,
 ) -> torch.Tensor:
-    """The same verdict as the Triton kernel's, as an int32 device scalar (no sync).
-
-    Offsets are int64 here. A buffer offset that fails names the padded argument when
-    one was passed, else the valid one (TE's rule: no padded offsets = the valid ones).
-    """
+    """The Triton kernel's offset verdict as an int32 device scalar (no sync); a bad buffer
+    offset names the padded argument when one was given, else the valid one (TE's rule)."""
     bit = offset_errors.ARGUMENT_BITS
     pq_bit = bit["cu_seqlens_q_padded" if pad_q_given else "cu_seqlens_q"]
     pk_bit = bit["cu_seqlens_kv_padded" if pad_kv_given else "cu_seqlens_kv"]
@@ -152,11 +142,8 @@ def _dead_rows(
 
 
 def _record_errors(errors: Optional[torch.Tensor], device: torch.device) -> None:
-    """Put a call's error bits where :mod:`te_gqa_fix.offset_errors` reads them (no sync).
-
-    CPU: straight into the host word, then raised at once (host memory, no sync).
-    CUDA: a device accumulator and a ``non_blocking`` copy into the pinned word.
-    """
+    """Store a call's error bits where :mod:`.offset_errors` reads them: on CPU, raise now;
+    on CUDA, a device OR and a non-blocking copy into the pinned word (no sync)."""
     if errors is None:
         return
     if device.type == "cuda":
@@ -201,13 +188,8 @@ def dead_row_masks(
 
 
 def _writable_rows(t: object, name: str) -> Optional[torch.Tensor]:
-    """The plain tensor whose rows hold ``t``'s values, or None when we cannot write it.
-
-    Plain tensors (and views of a packed buffer) are written directly. TE's FP8 tensors
-    keep their bytes in ``_data`` with the logical shape; byte 0 is +0 in both E4M3 and
-    E5M2, so zeroing those bytes zeroes the value whatever the scale. A cached transpose
-    (or any other quantized layout) would go stale, so those pass through, logged once.
-    """
+    """The plain tensor holding ``t``'s rows, or None (logged once). FP8 storage zeroes its
+    raw bytes (byte 0 is +0 in E4M3 and E5M2) unless a cached transpose would go stale."""
     if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
         return t  # type: ignore[return-value]
     data = getattr(t, "_data", None)

@@ -95,11 +95,7 @@ def check_rows(name: str, rows: object) -> int:
 
 
 def shape_of(t: object) -> Optional[tuple]:
-    """The logical shape of a tensor or of a TE quantized tensor, without touching data.
-
-    TE's ``*TensorStorage`` classes (FP8 gradients can come back as those) have
-    ``size()`` but no ``shape``; reading them must not fail.
-    """
+    """The logical shape of a tensor, or of a TE FP8 storage (``size()`` but no ``shape``)."""
     shape = getattr(t, "shape", None)
     if shape is None:
         size = getattr(t, "size", None)
@@ -135,11 +131,8 @@ def check_metadata(
     num_heads_kv: Optional[int] = None,
     names: tuple[str, str, str] = ("dq", "dk", "dv"),
 ) -> None:
-    """Sync-free checks; raise ``ValueError`` naming the offending argument.
-
-    ``names`` are the names used in messages for the three row tensors (the wrapper
-    checks TE's inputs ``q, k, v`` before the call, the post-pass its outputs).
-    """
+    """Sync-free checks of gradients (or TE's ``q, k, v``: ``names``) and offsets; raise
+    ``ValueError`` naming the offending argument."""
     name_q, name_k, name_v = names
     rows_k = _rows(name_k, dk)
     rows_v = _rows(name_v, dv)
@@ -178,15 +171,9 @@ def check_metadata(
 
 
 def check_rows_disjoint(name: str, t: object) -> None:
-    """Raise ``ValueError`` when two token rows of ``t`` share memory (metadata only).
-
-    Zeroing a dead row of such a tensor would zero a live row too (e.g. a stride-0
-    ``expand`` along the token axis). Sufficient test: ignoring zero-stride inner dims
-    (aliasing inside one row is harmless), sort the dims of size > 1 by stride; each
-    stride must reach past everything the smaller ones span. Packed views such as
-    ``buf[:, 0]`` of a ``[T, 2, H, D]`` buffer pass; so does any layout whose rows are
-    laid out one after another or interleaved without overlap.
-    """
+    """Raise ``ValueError`` when two token rows of ``t`` share memory (zeroing one would zero
+    the other). Ignoring zero-stride inner dims, the dims of size > 1 sorted by stride must
+    each reach past what the smaller ones span (packed views like ``buf[:, 0]`` pass)."""
     if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] <= 1:
         return
     if t.is_contiguous():

@@ -186,19 +186,19 @@ graph, out = capture(lambda: te_backward(batch, cuda_graph=True))
 graph.replay()
 torch.cuda.synchronize()
 res = compare(batch, out, references(batch))
-print("RESULT", exact(res), te_gqa_fix.call_counts()["fallback"], res)
+from te_gqa_fix import affected
+expected = affected.unrepairable(torch.cuda.current_device(), 256, 256) is not None
+print("RESULT", exact(res), te_gqa_fix.call_counts()["fallback"], expected, res)
 """
 
 
-def test_head_dim_256_in_graph_through_startup_hook(te, capability, cudnn, record):
+def test_head_dim_256_in_graph_through_startup_hook(te, cudnn, record):
     """TE_GQA_FIX_AUTOPATCH=1 through the start-up file, then TE's own fused_attn_bwd at head
     dim 256 captured in a CUDA graph and replayed: exact (the fallback where TE is wrong)."""
     import os
     import subprocess
     import sys
     from pathlib import Path
-
-    from te_gqa_fix.affected import verdict
 
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, TE_GQA_FIX_AUTOPATCH="1")
@@ -208,7 +208,7 @@ def test_head_dim_256_in_graph_through_startup_hook(te, capability, cudnn, recor
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
     record(cudnn=".".join(map(str, cudnn)), result=line[0] if line else proc.stderr[-2000:])
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
-    _, is_exact, fallbacks, _ = line[0].split(" ", 3)
-    unrepairable = verdict(capability, cudnn, 256, 256).status == "unrepairable"
+    # The child's own stack decides (its start-up hook may load another cuDNN than ours).
+    _, is_exact, fallbacks, unrepairable, _ = line[0].split(" ", 4)
     assert is_exact == "True", line[0]
-    assert int(fallbacks) == (2 if unrepairable else 0), line[0]  # warm-up + captured call
+    assert int(fallbacks) == (2 if unrepairable == "True" else 0), line[0]  # warm-up + capture
