@@ -13,32 +13,16 @@ steps pass them). CUDA events around each call after a warm-up; medians over ``-
 from __future__ import annotations
 
 import argparse
-import inspect
 from typing import Any, Callable, Dict, List
 
 import torch
 from common import event_ms, median, metadata, write
 
 from te_gqa_fix import fallback, patch
-from te_gqa_fix.testing import ThdBatch, make_batch, random_inputs, te_backward, te_forward
+from te_gqa_fix.testing import make_batch, random_inputs, te_call, te_forward
 
 WORKLOADS = {"8k": 8192, "32k": 32768}
 HEADS, D, NSEQ = (16, 4), 256, 8
-
-
-def bound_call(batch: ThdBatch) -> Dict[str, Any]:
-    """TE's ``fused_attn_bwd`` arguments for the batch, bound by name, defaults applied."""
-    sig = inspect.signature(patch.find_original())
-    call: Dict[str, Any] = {}
-
-    def capture(*args: Any, **kwargs: Any) -> None:
-        bound = sig.bind(*args, **kwargs)
-        bound.apply_defaults()
-        call.update(bound.arguments)
-
-    capture.__signature__ = sig  # type: ignore[attr-defined]
-    te_backward(batch, fn=capture)
-    return call
 
 
 def timed(fn: Callable[[], Any], reps: int) -> float:
@@ -63,7 +47,7 @@ def main() -> None:
         )  # fmt: skip
         random_inputs(batch, seed=0)
         te_forward(batch)
-        two = bound_call(batch)  # separate q and kv offsets tensors
+        two = te_call(batch)  # separate q and kv offsets tensors
         one = dict(two, cu_seqlens_kv=two["cu_seqlens_q"])
         one["cu_seqlens_kv_padded"] = one["cu_seqlens_q_padded"]
         for call in (one, two):

@@ -111,12 +111,9 @@ def key_span(
 ) -> KeySpan:
     """Reduce TE's mask arguments to a :class:`KeySpan`.
 
-    ``bottom_right_diagonal`` is TE's argument of that name (TE >= 2.10); ``None`` means
-    "by mask name", which is what every older TE does for the cuDNN backend.
-    ``strict`` (the public post-pass): malformed arguments raise ``ValueError`` naming
-    the argument (:func:`check_mask_arguments`). Otherwise (what the wrapper passes on
-    from TE, which validates masks itself) they give :data:`CONSERVATIVE`, logged once
-    at WARNING. ``'arbitrary'`` gives :data:`CONSERVATIVE` either way.
+    ``bottom_right_diagonal`` None means "by mask name" (every TE before 2.10). ``strict``
+    (the public post-pass): malformed arguments raise ``ValueError`` naming the argument;
+    otherwise (the wrapper: TE validated them) they give :data:`CONSERVATIVE`, logged once.
     """
     if strict:
         check_mask_arguments(attn_mask_type, window_size, bottom_right_diagonal)
@@ -139,24 +136,12 @@ def key_span(
         return CONSERVATIVE
     causal, br_by_name = known
     left, right = window
-    if causal and right in (-1, 0):
+    if causal and right == -1:
         right = 0
-    if bottom_right_diagonal is None or bool(bottom_right_diagonal) == br_by_name:
-        br = br_by_name if bottom_right_diagonal is None else bool(bottom_right_diagonal)
-        top_left, bottom_right = (not br), br
-    elif causal:
-        # The name says one diagonal, the flag the other: keep both (a superset).
-        top_left, bottom_right = True, True
-    else:
-        top_left, bottom_right = (not bottom_right_diagonal), bool(bottom_right_diagonal)
-    return KeySpan(
-        exact=True,
-        causal=causal,
-        window_left=left,
-        window_right=right,
-        top_left=top_left,
-        bottom_right=bottom_right,
-    )
+    br = br_by_name if bottom_right_diagonal is None else bottom_right_diagonal
+    # A causal name and a flag that say different diagonals: keep both (a superset).
+    top_left, bottom_right = (True, True) if causal and br != br_by_name else (not br, br)
+    return KeySpan(True, causal, left, right, top_left, bottom_right)
 
 
 def key_interval(lq: int, lk: int, span: KeySpan) -> Tuple[int, int]:

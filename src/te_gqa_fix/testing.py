@@ -239,6 +239,22 @@ def te_backward(
     return call_by_name(fn, **kw)
 
 
+def te_call(batch: ThdBatch, **extra: Any) -> Dict[str, Any]:
+    """TE's ``fused_attn_bwd`` arguments for the batch by name, defaults applied (as the
+    wrapper binds them for the exact fallback)."""
+    from .patch import find_original
+
+    sig = inspect.signature(find_original())
+
+    def bind(*args: Any, **kwargs: Any) -> Dict[str, Any]:
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+    bind.__signature__ = sig  # type: ignore[attr-defined]
+    return te_backward(batch, fn=bind, **extra)  # type: ignore[return-value]
+
+
 def poison_allocator(value: float = 1000.0, numel: int = 1 << 28, device: str = "cuda") -> None:
     """Fill a large block with ``value`` and free it, so the caching allocator hands it
     to the next large allocation (TE's workspace): the deterministic trigger."""

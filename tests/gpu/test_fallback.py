@@ -5,13 +5,12 @@ live rows. Also one CUDA-graph capture and replay, and the TE-statistics variant
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Dict, List
 
 import pytest
 import torch
 
-from te_gqa_fix import fallback, patch
+from te_gqa_fix import fallback
 from te_gqa_fix.postpass import zero_dead_rows
 from te_gqa_fix.testing import (
     ThdBatch,
@@ -23,6 +22,7 @@ from te_gqa_fix.testing import (
     random_inputs,
     references,
     te_backward,
+    te_call,
     te_forward,
 )
 
@@ -56,22 +56,6 @@ def _batch(case: str, heads, head_dim: int, seed: int = 0) -> ThdBatch:
     except Exception as exc:  # the fallback recomputes the forward; TE's is context only
         pytest.skip(f"TE's forward refuses this configuration: {exc}")
     return batch
-
-
-def bound_call(batch: ThdBatch, **extra: Any) -> Dict[str, Any]:
-    """TE's ``fused_attn_bwd`` arguments for the batch as the wrapper binds them: by name
-    from the installed TE's signature, defaults applied."""
-    sig = inspect.signature(patch.find_original())
-    call: Dict[str, Any] = {}
-
-    def capture(*args: Any, **kwargs: Any) -> None:
-        bound = sig.bind(*args, **kwargs)
-        bound.apply_defaults()
-        call.update(bound.arguments)
-
-    capture.__signature__ = sig  # type: ignore[attr-defined]
-    te_backward(batch, fn=capture, **extra)
-    return call
 
 
 def _self_attention(call: Dict[str, Any]) -> None:
@@ -110,7 +94,7 @@ def test_exact_backward_matches_fp32(te, cudnn, head_dim, heads, case, layout, r
         t = batch.tensors
         t["k"], t["v"] = torch.stack((t["k"], t["v"]), 1).unbind(1)
         extra = dict(qkv_layout=layout, dqkv_layout=layout)
-    call = bound_call(batch, **extra)
+    call = te_call(batch, **extra)
     if CASES[case][2]:
         _self_attention(call)
     assert fallback.why_not(call) is None, fallback.why_not(call)
@@ -137,7 +121,7 @@ def test_cuda_graph_capture_and_replay(te, record):
     """No host sync in an eager call (sync debug mode "error"); a captured call replays to
     the eager result (dK/dV bitwise; dQ accumulates with atomics, so within bf16)."""
     batch = _batch("causal", HEADS["gqa"], 256, seed=3)  # the split: two calls
-    call = bound_call(batch)
+    call = te_call(batch)
     for _ in range(2):
         fallback.exact_backward(call)  # warm-up: kernels, allocator, cached checks
     torch.cuda.synchronize()
