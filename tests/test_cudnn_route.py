@@ -504,3 +504,16 @@ def test_file_name_version_follows_the_soname_link(tmp_path: Path) -> None:
         {"CUDNN_HOME": str(tmp_path / "sys"), "LD_LIBRARY_PATH": ""}
     )[:1]
     assert build.version == (9, 14, 0)
+
+
+@needs_cc
+def test_route_and_autopatch_together_te_runs_the_fixed_build(
+    builds: Dict[str, Path], tmp_path: Path
+) -> None:
+    """Both variables set, as a job that wants the route and the patch: the route still loads
+    the fixed build before TE (the patch hook fires too, on a fake TE without the symbol)."""
+    env = _hook_env(builds, tmp_path, **{cudnn.ENV_CUDNN: "auto", "TE_GQA_FIX_AUTOPATCH": "1"})
+    proc = run_python(PROBE, env, tmp_path)
+    out = probe(proc)
+    assert out["te"] == [9, 19, 0], proc.stdout + proc.stderr
+    assert out["route"]["verified"] is True and out["route"]["te_cudnn"] == "9.19.0"
