@@ -164,7 +164,7 @@ def reference_kernel(args: Dict[str, Any], bug: str) -> list:
 
 
 def forward_body(arguments: Dict[str, Any], config: Dict[str, Any]) -> Tuple[Any, list]:
-    """Body of the fake ``fused_attn_fwd`` (what reproduce.te_forward needs back)."""
+    """Body of the fake ``fused_attn_fwd`` (what testing.te_forward needs back)."""
     if config["kernel"] != "reference":
         raise NotImplementedError("this fake TE has no forward")
     assert arguments["qkv_layout"] == "thd_thd_thd", arguments["qkv_layout"]
