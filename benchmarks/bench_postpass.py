@@ -25,7 +25,9 @@ import torch
 from common import by_name, cumsum, median, metadata, packed, write
 
 import te_gqa_fix
-from te_gqa_fix.postpass import zero_dead_rows
+from te_gqa_fix.launch import launch
+from te_gqa_fix.masks import key_span
+from te_gqa_fix.postpass import kernel_plan, zero_dead_rows
 from te_gqa_fix.wrapper import call_counts, wrapper_for
 
 MASK = "padding_causal_bottom_right"
@@ -100,13 +102,22 @@ def host_us(
     te_bwd: Callable, kw: Dict[str, Any], out: Any, modes: Dict[str, Optional[str]], rounds: int
 ) -> Dict[str, Any]:
     """The stub's host time and, per mode (a ``TE_GQA_FIX`` value), the median over rounds
-    of wrapper(stub) - stub in the same round; what one call did in each mode."""
+    of wrapper(stub) - stub in the same round; what one call did in each mode. With CUDA
+    and Triton, ``launch``: the post-pass kernel's launch alone (Triton's launch path), timed
+    in the same rounds, to tell the wrapper's own time from Triton's."""
     bound = inspect.signature(te_bwd).bind(**kw)
     bound.apply_defaults()
     args = bound.args  # every argument by position, as TE 2.20 calls it
     stub = make_stub(te_bwd, out)
     wrapped = wrapper_for(stub)
     calls = {"stub": lambda: stub(*args), **{m: lambda: wrapped(*args) for m in modes}}
+    dq, dk, dv = out[:3]
+    names = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
+    offs = tuple(kw.get(n) for n in names)
+    span = key_span(kw["attn_mask_type"], kw["window_size"], kw.get("bottom_right_diagonal"))
+    plan = kernel_plan(dq, dk, dv, offs, span)
+    if plan is not None:
+        calls["launch"] = lambda: launch(plan, dq, dk, dv, offs)
     did = {}
     for mode, policy in modes.items():
         set_policy(policy)
@@ -131,6 +142,8 @@ def host_us(
         gc.enable()
         stub.release()  # type: ignore[attr-defined]
     res: Dict[str, Any] = {"stub": median(samples["stub"]), "did": did}
+    if "launch" in samples:
+        res["launch"] = median(samples["launch"])
     for mode in modes:
         res[mode] = median([a - b for a, b in zip(samples[mode], samples["stub"])])
     return res

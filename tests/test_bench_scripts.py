@@ -91,8 +91,16 @@ def test_host_timing_measures_the_modes_it_names(monkeypatch: pytest.MonkeyPatch
         **offs,
     )
     out = te(**kw)
+    launched = []
+    plan = object()  # what kernel_plan returns where CUDA and Triton are present
+    monkeypatch.setattr(bench_postpass, "kernel_plan", lambda *a: plan)
+    monkeypatch.setattr(bench_postpass, "launch", lambda *a: launched.append(a))
     res = bench_postpass.host_us(te, kw, out, {"postpass": "always", "passthrough": "off"}, 20)
     assert len(te_calls) == 1, "the stub must stand in for TE's function"
+    assert "launch" in res and len(launched) == 30  # 10 warm-up rounds + 20
+    want = (plan, *out[:3], tuple(offs.values()))  # TE's order: valid q/kv, padded q/kv
+    assert all(len(a) == 5 and all(x is y for x, y in zip(a[:4], want)) for a in launched)
+    assert all(all(x is y for x, y in zip(a[4], want[4])) for a in launched)
     assert res["did"]["postpass"]["fixed"] == 1 and res["did"]["passthrough"]["fixed"] == 0
     assert all(res["did"][m]["returned_stub_output"] for m in ("postpass", "passthrough"))
     assert int((out[1] == 0).all(dim=(1, 2)).sum()) == bench_postpass.dead_rows(b, 512)["kv"]
