@@ -282,7 +282,7 @@ def render(data: Dict[str, Any]) -> str:
                 t = r[what]
                 rows.append(
                     [
-                        f"`import {r['import']}`",
+                        f"`import {r['module']}`",
                         what,
                         _fmt(t["unset"], " ms", 0),
                         _fmt(t["auto"], " ms", 0),

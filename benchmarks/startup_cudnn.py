@@ -66,7 +66,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         for _ in range(args.repeat):
             for setting in samples:
                 samples[setting].append(one(module, setting))
-        row: Dict[str, Any] = {"import": module}
+        row: Dict[str, Any] = {"module": module}
         for what in ("import", "process"):
             ms = {s: 1e3 * median([x[f"{what}_s"] for x in v]) for s, v in samples.items()}
             row[what] = {**ms, "added": ms["auto"] - ms["unset"]}

@@ -104,3 +104,26 @@ def test_host_timing_measures_the_modes_it_names(monkeypatch: pytest.MonkeyPatch
     assert res["did"]["postpass"]["fixed"] == 1 and res["did"]["passthrough"]["fixed"] == 0
     assert all(res["did"][m]["returned_stub_output"] for m in ("postpass", "passthrough"))
     assert int((out[1] == 0).all(dim=(1, 2)).sum()) == bench_postpass.dead_rows(b, 512)["kv"]
+
+
+def test_startup_rows_name_the_module_they_import(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Each start-up row keeps its module next to the import and process timings, and the
+    page names that module (the child processes are faked: 10/20 ms unset, 30/50 ms auto)."""
+    import startup_cudnn
+
+    def one(module, setting):
+        auto = setting == "auto"
+        return {"import_s": 0.03 if auto else 0.01, "process_s": 0.05 if auto else 0.02,
+                "te_cudnn": None}  # fmt: skip
+
+    monkeypatch.setattr(startup_cudnn, "one", one)
+    out = tmp_path / "startup.json"
+    assert startup_cudnn.main(["--repeat", "1", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["module"] for r in doc["rows"]] == ["torch", "transformer_engine.pytorch"]
+    page = bench_report.render({"command": "bash benchmarks/run.sh", "results": [doc]})
+    for module in ("torch", "transformer_engine.pytorch"):
+        assert f"| `import {module}` | import | 10 ms | 30 ms | 20 ms |" in page
+        assert f"| `import {module}` | process | 20 ms | 50 ms | 30 ms |" in page
