@@ -1,6 +1,6 @@
 """The benchmarks' CPU parts: the performance page is what its data file renders to, the
-post-pass benchmark counts the post-pass's own rows, and its host timing measures the modes
-it names (on a fake TE with TE 2.20's signature)."""
+post-pass benchmark counts the post-pass's own rows, its host timing measures the modes it
+names (on a fake TE with TE 2.20's signature), and start-up rows name their module."""
 
 from __future__ import annotations
 
