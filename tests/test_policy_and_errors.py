@@ -3,6 +3,7 @@ checked), no host sync, TE absent."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -148,6 +149,21 @@ def test_policy_is_read_on_every_call(monkeypatch: pytest.MonkeyPatch) -> None:
         wrapped(**arguments)
         assert te_gqa_fix.call_counts()["fixed"] == fixed, value
     assert te_gqa_fix.call_counts()["calls"] == 4
+
+
+def test_settings_read_os_environ_as_it_is_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``get`` reads os.environ's own store: a set, changed or deleted variable, an
+    os.environ replaced by another mapping, and an ``environ`` argument are read as given."""
+    monkeypatch.setenv("TE_GQA_FIX", "off")
+    assert settings.get("TE_GQA_FIX") == "off"
+    monkeypatch.setenv("TE_GQA_FIX", "Always")
+    assert settings.get("TE_GQA_FIX") == "always"
+    monkeypatch.delenv("TE_GQA_FIX")
+    assert settings.get("TE_GQA_FIX") == "auto"
+    assert settings.get("TE_GQA_FIX", {"TE_GQA_FIX": "0"}) == "off"
+    monkeypatch.setattr(os, "environ", {"TE_GQA_FIX": "off", "TE_GQA_FIX_GUARD": "strict"})
+    assert settings.get("TE_GQA_FIX") == "off"
+    assert settings.get("TE_GQA_FIX_GUARD") == "strict"
 
 
 # ------------------------------------------------------------- metadata checks (no sync)

@@ -71,10 +71,11 @@ def unsupported(
 
 
 class Plan:
-    """One launch's metadata-only arguments; ``compiled`` maps the pointers' 16-byte
-    alignment (what Triton specializes a pointer on) to the kernel compiled for it."""
+    """One launch's metadata-only arguments; ``runners`` maps the pointers' 16-byte
+    alignment (what Triton specializes a pointer on) to Triton's launcher for the kernel
+    compiled for it (``compiled[grid]``)."""
 
-    __slots__ = ("compiled", "consts", "err", "grid", "meta", "scalars", "words")
+    __slots__ = ("consts", "err", "grid", "meta", "runners", "scalars")
 
     def __init__(
         self, grid: Tuple[int, int, int], scalars: tuple, meta: Dict[str, Any], device
@@ -83,9 +84,8 @@ class Plan:
         self.scalars = scalars
         self.meta = meta
         self.consts: Optional[tuple] = None
-        self.compiled: Dict[tuple, Any] = {}
+        self.runners: Dict[tuple, Any] = {}
         self.err = offset_errors.kernel_flag(device)
-        self.words = offset_errors.pending_words(device)
 
 
 def _pow2(n: int) -> int:
@@ -172,20 +172,23 @@ def launch(
     """Zero the dead rows with the kernel, on the current stream; no host sync.
 
     The first launch per pointer alignment goes through ``kernel[grid]`` (which compiles);
-    later ones through the compiled kernel Triton returned, with the same arguments.
+    later ones through the launcher of the kernel Triton compiled, given the addresses: every
+    tensor is on the plan's CUDA device (checked when the plan was made; a cached plan is
+    reused only for calls whose keys hold the same devices).
     """
     cu_q, cu_kv = _contig(offsets[0]), _contig(offsets[1])
     pad_q = cu_q if offsets[2] is None else _contig(offsets[2])
     pad_kv = cu_kv if offsets[3] is None else _contig(offsets[3])
     tensors = (dk if dq is None else dq, dk, dv, cu_q, cu_kv, pad_q, pad_kv)
-    align = tuple(t.data_ptr() % 16 == 0 for t in tensors)
-    compiled = plan.compiled.get(align)
-    if compiled is not None:
-        compiled[plan.grid](*tensors, plan.err, *plan.scalars, *plan.consts)
+    ptrs = [t.data_ptr() for t in tensors]
+    align = tuple(p % 16 == 0 for p in ptrs)
+    runner = plan.runners.get(align)
+    if runner is not None:
+        runner(*ptrs, plan.err, *plan.scalars, *plan.consts)
         return
     fn = kernel.build()
     compiled = fn[plan.grid](*tensors, plan.err, *plan.scalars, **plan.meta)
     if compiled is not None and hasattr(compiled, "function"):  # None under the interpreter
         names = fn.arg_names[len(tensors) + 1 + len(plan.scalars) :]
         plan.consts = tuple(plan.meta[n] for n in names)
-        plan.compiled[align] = compiled
+        plan.runners[align] = compiled[plan.grid]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Any, Dict, Optional
+from typing import Dict, Optional
 
 import torch
 
@@ -18,7 +18,6 @@ __all__ = [
     "OffsetsError",
     "check_offset_errors",
     "kernel_flag",
-    "pending_words",
     "raise_pending",
     "record_device_bits",
 ]
@@ -81,11 +80,6 @@ def kernel_flag(device: torch.device) -> torch.Tensor:
     """The host words the Triton kernel ORs error bits into (slot 0); first use outside
     CUDA-graph capture allocates them, later uses get the same memory."""
     return _record(device).host
-
-
-def pending_words(device: torch.device) -> Any:
-    """The two host words of ``device``'s record (a ctypes array); non-zero: bad offsets."""
-    return _record(device).words
 
 
 def record_device_bits(device: torch.device, bits: torch.Tensor) -> None:

@@ -63,7 +63,15 @@ class SettingError(ValueError):
     """A ``TE_GQA_FIX_*`` variable holds a value that is not one of its accepted values."""
 
 
-_parsed: Dict[Tuple[str, Optional[str]], str] = {}
+_parsed: Dict[Tuple[str, object], str] = {}
+
+#: os.environ's own store and each setting's key in it (CPython and PyPy keep a dict in
+#: ``_data``): ``.get`` there costs no KeyError for an unset variable, unlike ``Mapping.get``.
+_ENVIRON = os.environ
+_STORE = getattr(_ENVIRON, "_data", None)
+_STORE_KEYS: Dict[str, object] = (
+    {n: _ENVIRON.encodekey(n) for n in SETTINGS} if type(_STORE) is dict else {}  # type: ignore[attr-defined]
+)
 
 
 def parse(name: str, raw: Optional[str]) -> str:
@@ -109,11 +117,17 @@ def get(name: str, environ: Optional[Mapping[str, str]] = None) -> str:
     Returns:
         The canonical value; raises :class:`SettingError` for an unknown one.
     """
+    if environ is None and os.environ is _ENVIRON and name in _STORE_KEYS:
+        stored = _STORE.get(_STORE_KEYS[name])  # type: ignore[union-attr]
+        value = _parsed.get((name, stored))
+        if value is None:
+            raw = None if stored is None else _ENVIRON.decodevalue(stored)  # type: ignore[attr-defined]
+            value = _parsed[(name, stored)] = parse(name, raw)
+        return value
     raw = (os.environ if environ is None else environ).get(name)
-    key = (name, raw)
-    value = _parsed.get(key)
+    value = _parsed.get((name, raw))
     if value is None:
-        value = _parsed[key] = parse(name, raw)
+        value = _parsed[(name, raw)] = parse(name, raw)
     return value
 
 

@@ -147,11 +147,6 @@ def _head_dims(q: object, v: object) -> Tuple[int, int]:
     return (int(sq[-1]) if sq else 0), (int(sv[-1]) if sv else 0)
 
 
-def _where(t: torch.Tensor) -> object:
-    """A tensor's device for a key: the index on CUDA (one C call), else the device."""
-    return t.get_device() if t.is_cuda else t.device
-
-
 def _call_key(policy: str, dev: Optional[int], picked: tuple) -> Optional[tuple]:
     """Every fact :func:`_decide` reads from a call, or None when a value cannot be keyed
     (anything but plain tensors; a hit then means this exact metadata was checked)."""
@@ -166,12 +161,12 @@ def _call_key(policy: str, dev: Optional[int], picked: tuple) -> Optional[tuple]
         if p is None:
             pads.append(None)
         elif type(p) is T:
-            pads.append((p.dtype, p.shape, _where(p)))
+            pads.append((p.dtype, p.shape, p.device))
         else:
             return None
     return (
-        policy, dev, _where(q), q.shape, k.shape, _where(k), v.shape, _where(v),
-        cu_q.dtype, cu_q.shape, _where(cu_q), cu_kv.dtype, cu_kv.shape, _where(cu_kv),
+        policy, dev, q.device, q.shape, k.shape, k.device, v.shape, v.device,
+        cu_q.dtype, cu_q.shape, cu_q.device, cu_kv.dtype, cu_kv.shape, cu_kv.device,
         *pads, mask, tuple(window) if type(window) is list else window, brd, lay, dlay,
     )  # fmt: skip
 
@@ -236,8 +231,8 @@ def _out_key(dq: object, dk: object, dv: object) -> Optional[tuple]:
     T = _Tensor
     if type(dk) is not T or type(dv) is not T or (dq is not None and type(dq) is not T):
         return None
-    key = (dk.shape, dk.stride(), dk.dtype, _where(dk), dv.shape, dv.stride(), dv.dtype, _where(dv))
-    return key if dq is None else (*key, dq.shape, dq.stride(), dq.dtype, _where(dq))
+    key = (dk.shape, dk.stride(), dk.dtype, dk.device, dv.shape, dv.stride(), dv.dtype, dv.device)
+    return key if dq is None else (*key, dq.shape, dq.stride(), dq.dtype, dq.device)
 
 
 def _postpass(entry: _Entry, offsets: tuple, out: Any) -> bool:
@@ -278,9 +273,10 @@ def _new_wrapper(original: Callable) -> Callable:
             _passthrough(("signature", id(original)), msg, original, reason)
             return original(*args, **kwargs)
         picked = sig.pick(args, kwargs)
-        dev = _device_index(picked[0])
+        q = picked[0]
+        dev = _device_index(q)
         if policy == "auto" and dev is not None:
-            if affected.passes_through(dev, *_head_dims(picked[0], picked[2])):
+            if affected.passes_through(dev, *_head_dims(q, picked[2])):
                 _counts[_SKIPPED] += 1  # a fixed cuDNN: nothing to repair, nothing to guard
                 return original(*args, **kwargs)
         key = _call_key(policy, dev, picked)
