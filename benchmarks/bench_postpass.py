@@ -5,7 +5,7 @@ Device: TE's backward, ``zero_dead_rows(impl="triton")`` and ``impl="torch"`` on
 gradients, interleaved round by round while the GPU is held busy (``torch.cuda._sleep``) so
 that the CUDA events read device time, not launch gaps; medians. Host: the wrapper around a
 stub with TE's signature that returns real gradients at once, against the stub itself,
-called by position as TE's ``FusedAttnFunc`` calls it; median over rounds of the paired
+called by position as TE's ``FusedAttnFunc`` calls it, on one CPU; median over rounds of the paired
 difference, with the post-pass (``TE_GQA_FIX=always``) and as a pure pass-through
 (``TE_GQA_FIX=off``, or the default on a fixed cuDNN).
 
@@ -22,7 +22,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
-from common import by_name, cumsum, median, metadata, packed, write
+from common import by_name, cumsum, median, metadata, one_cpu, packed, write
 
 import te_gqa_fix
 from te_gqa_fix.launch import launch
@@ -129,15 +129,16 @@ def host_us(
     names = list(calls)
     gc.disable()
     try:
-        for r in range(rounds + 10):  # the first 10 rounds warm up
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                set_policy(modes.get(name))
-                t0 = time.perf_counter_ns()
-                calls[name]()
-                if r >= 10:
-                    samples[name].append((time.perf_counter_ns() - t0) / 1e3)
-            if r % 4 == 3:
-                torch.cuda.synchronize()  # keep the launch queue short
+        with one_cpu():
+            for r in range(rounds + 10):  # the first 10 rounds warm up
+                for name in names[r % len(names) :] + names[: r % len(names)]:
+                    set_policy(modes.get(name))
+                    t0 = time.perf_counter_ns()
+                    calls[name]()
+                    if r >= 10:
+                        samples[name].append((time.perf_counter_ns() - t0) / 1e3)
+                if r % 4 == 3:
+                    torch.cuda.synchronize()  # keep the launch queue short
     finally:
         gc.enable()
         stub.release()  # type: ignore[attr-defined]

@@ -76,9 +76,8 @@ def _header(data: Dict[str, Any]) -> List[str]:
     lines = [
         f"Stack: {s.get('gpu', '?')} ({s.get('sm_count', '?')} SMs), driver {s.get('driver', '?')}, "
         f"torch {s.get('torch', '?')} (CUDA {s.get('cuda', '?')}), Transformer Engine "
-        f"{s.get('te', '?')}, Triton {s.get('triton', '?')}; cuDNN as TE runs it: "
-        + ", ".join(f"{v} (`{b}`)" for b, v in cudnn.items())
-        + ".",
+        f"{s.get('te', '?')}, Triton {s.get('triton', '?')}, host CPU {s.get('cpu', '?')}; "
+        "cuDNN as TE runs it: " + ", ".join(f"{v} (`{b}`)" for b, v in cudnn.items()) + ".",
         "",
     ]
     dates = sorted({d["date"][:10] for d in res})
@@ -209,10 +208,11 @@ def render(data: Dict[str, Any]) -> str:
         "## Host time of the wrapper",
         "",
         "`wrapper_for(stub)` against `stub`, a function with TE's signature that returns real "
-        "gradients at once, called by position as TE calls `fused_attn_bwd`; median over "
-        "rounds of the difference within a round. With the post-pass it includes the kernel "
+        "gradients at once, called by position as TE calls `fused_attn_bwd`, on one CPU; median "
+        "over rounds of the difference within a round. With the post-pass it includes the kernel "
         "launch (where the table shows it, the launch alone through Triton's launch path, timed "
-        "in the same rounds); pass-through does no device work.",
+        "in the same rounds); pass-through does no device work. The stub's own time tracks the "
+        "host's speed, which varies from row to row within a run.",
         "",
     ]
     rows = []

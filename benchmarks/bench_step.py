@@ -97,9 +97,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="step.json", help="the JSON file to write")
     ap.add_argument("--tokens", default="2048,8192,32768")
-    ap.add_argument("--blocks", type=int, default=20, help="block pairs per size")
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per block")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per block")
+    ap.add_argument("--blocks", type=int, default=30, help="block pairs per size")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per block")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps per block")
     args = ap.parse_args(argv)
     import transformer_engine.pytorch as te
 

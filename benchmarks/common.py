@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import inspect
 import json
 import os
+import platform
 import shlex
 import statistics
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, Iterator, List
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:
@@ -64,12 +66,41 @@ def event_ms(fn: Callable[[], Any]) -> float:
     return start.elapsed_time(end)
 
 
+@contextlib.contextmanager
+def one_cpu() -> Iterator[None]:
+    """Run the calling thread on one CPU (the last it may use), so that host timings are
+    not spread over migrations between cores; where affinity cannot be set, a no-op."""
+    get = getattr(os, "sched_getaffinity", None)
+    cpus = sorted(get(0)) if get else []
+    if not cpus:
+        yield
+        return
+    os.sched_setaffinity(0, {cpus[-1]})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, cpus)
+
+
 def median(xs: List[float]) -> float:
     return statistics.median(xs)
 
 
+def cpu_model() -> str:
+    """The host CPU's model name (host timings depend on it), or ``platform.processor()``."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
 def metadata() -> Dict[str, Any]:
-    """Date, command and stack (``te_gqa_fix.stack.stack_summary``, Triton, the SM count)."""
+    """Date, command and stack (``te_gqa_fix.stack.stack_summary``, Triton, the SM count,
+    the host CPU)."""
     import torch
 
     from te_gqa_fix.stack import stack_summary
@@ -83,6 +114,7 @@ def metadata() -> Dict[str, Any]:
         stack["triton"] = None
     if torch.cuda.is_available():
         stack["sm_count"] = torch.cuda.get_device_properties(0).multi_processor_count
+    stack["cpu"] = cpu_model()
     env = {k: os.environ.get(k, "") for k in ("GPU_KIT_CUDNN", "TE_GQA_FIX_CUDNN")}
     route = env["TE_GQA_FIX_CUDNN"] not in ("", "0", "off")
     return {
