@@ -5,9 +5,9 @@ Device: TE's backward, ``zero_dead_rows(impl="triton")`` and ``impl="torch"`` on
 gradients, interleaved round by round while the GPU is held busy (``torch.cuda._sleep``) so
 that the CUDA events read device time, not launch gaps; medians. Host: the wrapper around a
 stub with TE's signature that returns real gradients at once, against the stub itself,
-called by position as TE's ``FusedAttnFunc`` calls it, on one CPU; median over rounds of the paired
-difference, with the post-pass (``TE_GQA_FIX=always``) and as a pure pass-through
-(``TE_GQA_FIX=off``, or the default on a fixed cuDNN).
+called by position as TE's ``FusedAttnFunc`` calls it, on one CPU; median over rounds of
+the paired difference, with the post-pass (``TE_GQA_FIX=always``) and as a pure
+pass-through (``TE_GQA_FIX=off``, or the default on a fixed cuDNN).
 
     python3 benchmarks/bench_postpass.py --out postpass.json [--quick]
 """
