@@ -111,6 +111,10 @@ BAD: Dict[str, tuple] = {
         r"^cu_seqlens_kv_padded: expected dtype torch\.int32",
     ),
     "padded shape": (_bad_padded, r"^cu_seqlens_q_padded: expected a 1-D tensor"),
+    "padded not a tensor": (  # not keyable: decided and checked on every call
+        lambda a: a.update(cu_seqlens_kv_padded=a["cu_seqlens_kv_padded"].tolist()),
+        r"^cu_seqlens_kv_padded: expected a 1-D torch\.int32 tensor .*, got list",
+    ),
     "kv heads": (
         _fewer_kv_heads,
         r"^k: expected a number of KV heads that divides the query heads \(4\), got 3",

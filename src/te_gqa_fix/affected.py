@@ -160,10 +160,7 @@ _lock = threading.Lock()
 def passes_through(device_index: Optional[int], d_qk: int, d_v: int) -> bool:
     """True when the cuDNN TE runs on this device is fixed and these head dims are not among
     the shapes it is still wrong at: nothing to repair, nothing to guard (cached lookups)."""
-    fixed = _fixed.get(device_index)  # hot path: one lookup; cudnn_fixed fills it
-    if fixed is None:
-        fixed = cudnn_fixed(device_index)
-    return fixed and (d_qk, d_v) not in WRONG_ON_FIXED_CUDNN
+    return cudnn_fixed(device_index) and (d_qk, d_v) not in WRONG_ON_FIXED_CUDNN
 
 
 def cudnn_fixed(device_index: Optional[int]) -> bool:

@@ -71,9 +71,8 @@ def unsupported(
 
 
 class Plan:
-    """One launch's metadata-only arguments; ``runners`` maps the pointers' 16-byte
-    alignment (what Triton specializes a pointer on) to Triton's launcher for the kernel
-    compiled for it (``compiled[grid]``)."""
+    """One launch's metadata-only arguments; ``runners`` maps the pointers' 16-byte alignment
+    (what Triton specializes a pointer on) to the launcher ``compiled[grid]`` compiled for it."""
 
     __slots__ = ("consts", "err", "grid", "meta", "runners", "scalars")
 
@@ -172,9 +171,8 @@ def launch(
     """Zero the dead rows with the kernel, on the current stream; no host sync.
 
     The first launch per pointer alignment goes through ``kernel[grid]`` (which compiles);
-    later ones through the launcher of the kernel Triton compiled, given the addresses: every
-    tensor is on the plan's CUDA device (checked when the plan was made; a cached plan is
-    reused only for calls whose keys hold the same devices).
+    later ones through that kernel's launcher, given the addresses: every tensor is on the
+    plan's device (checked when the plan was made; the wrapper's keys hold the devices).
     """
     cu_q, cu_kv = _contig(offsets[0]), _contig(offsets[1])
     pad_q = cu_q if offsets[2] is None else _contig(offsets[2])

@@ -117,17 +117,15 @@ def get(name: str, environ: Optional[Mapping[str, str]] = None) -> str:
     Returns:
         The canonical value; raises :class:`SettingError` for an unknown one.
     """
-    if environ is None and os.environ is _ENVIRON and name in _STORE_KEYS:
-        stored = _STORE.get(_STORE_KEYS[name])  # type: ignore[union-attr]
-        value = _parsed.get((name, stored))
-        if value is None:
-            raw = None if stored is None else _ENVIRON.decodevalue(stored)  # type: ignore[attr-defined]
-            value = _parsed[(name, stored)] = parse(name, raw)
-        return value
-    raw = (os.environ if environ is None else environ).get(name)
+    env = os.environ if environ is None else environ
+    if env is _ENVIRON and name in _STORE_KEYS:
+        raw: object = _STORE.get(_STORE_KEYS[name])  # type: ignore[union-attr]
+    else:
+        raw = env.get(name)
     value = _parsed.get((name, raw))
     if value is None:
-        value = _parsed[(name, raw)] = parse(name, raw)
+        text = _ENVIRON.decodevalue(raw) if isinstance(raw, bytes) else raw  # type: ignore[attr-defined]
+        value = _parsed[(name, raw)] = parse(name, text)  # type: ignore[arg-type]
     return value
 
 

@@ -154,16 +154,10 @@ def _call_key(policy: str, dev: Optional[int], picked: tuple) -> Optional[tuple]
     T = _Tensor
     if not (
         type(q) is T and type(k) is T and type(v) is T and type(cu_q) is T and type(cu_kv) is T
-    ):
+        and (pad_q is None or type(pad_q) is T) and (pad_kv is None or type(pad_kv) is T)
+    ):  # fmt: skip
         return None
-    pads = []
-    for p in (pad_q, pad_kv):
-        if p is None:
-            pads.append(None)
-        elif type(p) is T:
-            pads.append((p.dtype, p.shape, p.device))
-        else:
-            return None
+    pads = [None if p is None else (p.dtype, p.shape, p.device) for p in (pad_q, pad_kv)]
     return (
         policy, dev, q.device, q.shape, k.shape, k.device, v.shape, v.device,
         cu_q.dtype, cu_q.shape, cu_q.device, cu_kv.dtype, cu_kv.shape, cu_kv.device,
@@ -273,10 +267,9 @@ def _new_wrapper(original: Callable) -> Callable:
             _passthrough(("signature", id(original)), msg, original, reason)
             return original(*args, **kwargs)
         picked = sig.pick(args, kwargs)
-        q = picked[0]
-        dev = _device_index(q)
+        dev = _device_index(picked[0])
         if policy == "auto" and dev is not None:
-            if affected.passes_through(dev, *_head_dims(q, picked[2])):
+            if affected.passes_through(dev, *_head_dims(picked[0], picked[2])):
                 _counts[_SKIPPED] += 1  # a fixed cuDNN: nothing to repair, nothing to guard
                 return original(*args, **kwargs)
         key = _call_key(policy, dev, picked)
