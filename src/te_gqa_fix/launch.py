@@ -72,7 +72,7 @@ def unsupported(
 
 class Plan:
     """One launch's metadata-only arguments; ``runners`` maps the pointers' 16-byte alignment
-    (what Triton specializes a pointer on) to the launcher ``compiled[grid]`` compiled for it."""
+    (what Triton specializes a pointer on) to Triton's launcher for that specialization."""
 
     __slots__ = ("consts", "err", "grid", "meta", "runners", "scalars")
 
