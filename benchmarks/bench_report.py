@@ -248,20 +248,24 @@ def render(data: Dict[str, Any]) -> str:
         "## The exact fallback",
         "",
         "Head dim 256, GQA 16/4, bf16, 8 packed `padding_causal` sequences. TE's "
-        "`fused_attn_bwd` on the cuDNN TE runs, next to `fallback.exact_backward` (what the "
-        "wrapper runs where cuDNN < 9.18 is wrong on live rows): one FlashAttention-2 forward "
-        "+ backward (one offsets tensor), and the top-left causal split into two calls (two offsets tensors, "
-        "as context parallelism passes them). CUDA events, medians (`benchmarks/fallback_cost.py`).",
+        "`fused_attn_bwd` on the cuDNN TE runs (`deterministic=False`: the base of every ratio, "
+        "and `True`), next to `fallback.exact_backward`, what the wrapper runs where cuDNN is "
+        "wrong on live rows: FlashAttention-2's backward fed TE's output and softmax statistics, "
+        "with one offsets tensor, and split into two calls (top-left causal across two offsets "
+        "tensors, as context parallelism passes them), each not deterministic and deterministic "
+        "(bitwise repeatable: two calls compared); and with the forward recomputed, for "
+        "statistics of an unknown layout. CUDA events, medians (`benchmarks/fallback_cost.py`).",
         "",
     ]
     rows = [
-        [d.get("build") or "-", r["workload"], r["variant"], _fmt(r["ms"], " ms", 3),
-         _fmt(r["x_te"], "x", 2)]
+        [d.get("build") or "-", r["workload"], r["variant"],
+         r.get("error") or _fmt(r.get("ms"), " ms", 3), _fmt(r.get("x_te"), "x", 2),
+         {True: "yes", False: "NO"}.get(r.get("bitwise_repeatable"), "-")]
         for d in by["fallback"]
         for r in d["rows"]
     ]  # fmt: skip
     L += (
-        _table(["build", "tokens", "backward", "time", "x TE's"], rows)
+        _table(["build", "tokens", "backward", "time", "x TE's", "bitwise repeatable"], rows)
         if rows
         else _missing("fallback", "bash benchmarks/run.sh")
     )

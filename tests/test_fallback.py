@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import logging
 import random
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -17,6 +18,7 @@ from te_gqa_fix.postpass import zero_dead_rows
 from te_gqa_fix.testing import (
     ThdBatch,
     attention_mask,
+    live_q_rows,
     make_batch,
     random_inputs,
     reference_attention,
@@ -147,7 +149,7 @@ def _seg(t: torch.Tensor, a: int, e: int, group: int) -> torch.Tensor:
 def emulated(monkeypatch: pytest.MonkeyPatch) -> FlashEmulation:
     emu = FlashEmulation()
     monkeypatch.setattr(fallback, "_aten", emu)
-    monkeypatch.setattr(fallback, "_device_reason", lambda q: None)
+    monkeypatch.setattr(fallback, "_device_reason", lambda dtype, device: None)
     return emu
 
 
@@ -159,9 +161,12 @@ def _call(
     padded: bool = True,
     one_offsets: bool = False,
     tight: bool = False,
+    stats_rows: Optional[int] = None,
     **extra: Any,
 ) -> Dict[str, Any]:
-    """TE 2.20's bound ``fused_attn_bwd`` arguments for the batch's CPU tensors."""
+    """TE 2.20's bound ``fused_attn_bwd`` arguments for the batch's CPU tensors. With
+    ``stats_rows``, TE's forward output ``o`` and softmax statistics ``[stats_rows, h, 1]``
+    (rows without a query of a sequence with keys hold NaN), else no statistics."""
     t = batch.tensors
     offsets = batch.offsets("cpu")
     if one_offsets:  # what TE gets when q and kv share their offsets (self-attention)
@@ -177,6 +182,13 @@ def _call(
     elif layout in ("t3hd", "th3d"):
         qkv = torch.stack((q, k, v), 1 if layout == "t3hd" else 2)
         q, k, v = qkv.unbind(1 if layout == "t3hd" else 2)
+    o, aux = torch.zeros_like(t["d_o"]), []
+    if stats_rows is not None:
+        ref = reference_attention(batch)
+        stats = torch.full((stats_rows, batch.heads_q, 1), float("nan"))
+        live = live_q_rows(batch)
+        stats[: batch.rows_q][live] = ref["lse"][live].unsqueeze(-1)
+        o, aux = ref["o"], [stats, torch.zeros(2, dtype=torch.int64)]
     max_q, max_k = batch.max_seqlens()
     if tight:  # the least bound TE may pass: the longest valid sequence
         max_q, max_k = max(batch.lq, default=0), max(batch.lk, default=0)
@@ -186,10 +198,10 @@ def _call(
         q=q,
         k=k,
         v=v,
-        o=torch.zeros_like(t["d_o"]),
+        o=o,
         d_o=t["d_o"],
         fake_dtype=q.dtype,
-        aux_ctx_tensors=[],
+        aux_ctx_tensors=aux,
         fused_attention_backend=None,
         s_quantizer=None,
         dp_quantizer=None,
@@ -305,7 +317,7 @@ def _expected_decline(mask: str, window, brd, one: bool) -> Optional[str]:
 def _fa2_mask(lq: int, lk: int, plan, max_q: int, max_k: int) -> torch.Tensor:
     """The mask FlashAttention-2 applies for the plan: one call, or top-left causal split
     in a causal square of n = min(lq, lk) and the queries from n on over every key."""
-    _, window, split = plan
+    window, split = plan
     if not split:
         return _fa2_allowed(lq, lk, *_fa2_window(max_q, max_k, False, *window, forward=False))
     n = min(lq, lk)
@@ -335,12 +347,12 @@ def test_mask_mapping_matches_brute_force(mask: str) -> None:
                 offsets, attn_mask_type=mask, window_size=window, bottom_right_diagonal=brd,
                 max_seqlen_q=bounds[0], max_seqlen_kv=bounds[1],
             )  # fmt: skip
-            plan = fallback._mask_plan(call)
+            plan = fallback._mask_reason(fallback.call_facts(call))
             expected = _expected_decline(mask, window, brd, one)
             case = (mask, window, brd, lq, lk, one, tight)
-            assert (plan[0] is None) == (expected is None), (case, plan)
+            assert isinstance(plan, str) == (expected is not None), (case, plan)
             if expected is not None:
-                assert expected in plan[0], (case, plan)
+                assert expected in plan, (case, plan)
                 continue
             got = _fa2_mask(lq, lk, plan, *fallback._bounds(call))
             assert torch.equal(got, attention_mask(lq, lk, batch)), (case, plan, got)
@@ -501,7 +513,7 @@ def _half_call(**extra: Any) -> Dict[str, Any]:
         (dict(cu_seqlens_q=torch.tensor([0, 3, 5])), "cu_seqlens_q"),
         (dict(max_seqlen_q=None), "max_seqlen_q"),
         (dict(fake_dtype=torch.float16), "fake_dtype"),
-        (dict(deterministic=True), "deterministic"),
+        (dict(max_seqlen_q=True), "max_seqlen"),
     ],
 )
 def test_why_not_names_each_reason(extra: Dict[str, Any], words: str) -> None:
@@ -532,6 +544,11 @@ def test_why_not_shapes_dtypes_and_device() -> None:
         (dict(q=q.unsqueeze(0)), "3-D"),
         (dict(d_o=call["d_o"].half()), "d_o"),
         (dict(qkv_layout="t3hd", dqkv_layout="t3hd"), "t3hd"),
+        (dict(qkv_layout="th3d", dqkv_layout="th3d"), "th3d"),
+        (dict(d_o=call["d_o"].to("meta")), "d_o differs from q in dtype or device"),
+        (dict(v=v[:-1]), "rows k"),
+        (dict(v=torch.cat((v, v), -1), d_o=torch.cat((call["d_o"],) * 2, -1)), "v's <= q's"),
+        (dict(v=v[..., :6], d_o=call["d_o"][..., :6]), "multiples of 8"),
     ]
     for extra, words in cases:
         reason = fallback.why_not({**call, **extra})
@@ -578,3 +595,113 @@ def test_coverage_is_short_text() -> None:
     lines = fallback.coverage()
     assert lines and all(isinstance(line, str) and line for line in lines)
     assert any(line.startswith("declined:") for line in lines)
+
+
+# ------------------------------------------------------- TE's statistics, determinism
+@pytest.mark.parametrize("extra_rows", [0, 7], ids=["rows_q", "te-2.10-larger"])
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[4]], ids=["tl", "br", "win"])
+def test_tes_statistics_replace_the_forward(emulated, case, extra_rows: int) -> None:
+    """Issue 32: TE's ``o`` and ``aux_ctx_tensors[0]`` (``[t, h, 1]``, or more rows, as TE
+    <= 2.10 allocates) feed FlashAttention-2's backward: no forward runs, and the result is
+    the fp32 reference's. Statistics mapped to the wrong rows or heads fail here."""
+    lq, lk, kw = LAYOUTS[1]
+    mask, window, brd = case
+    batch = _batch(lq, lk, (4, 2), mask=mask, window=window, bottom_right_diagonal=brd, **kw)
+    call = _call(batch, tight=True, stats_rows=batch.rows_q + extra_rows)
+    plan = fallback.decide(fallback.call_facts(call))
+    assert plan.reuse_stats, plan
+    _check(batch, call, fallback.exact_backward(call))
+    assert "fwd" not in emulated.calls, emulated.calls
+    assert emulated.calls == ["bwd"] * (2 if plan.split else 1)
+
+
+def test_tes_statistics_in_the_split(emulated) -> None:
+    """Top-left causal across two offset tensors: both calls take TE's statistics."""
+    batch = _batch([7, 2, 0, 5], [3, 6, 4, 5], mask="padding_causal", gap_q=[0, 3, 1, 2])
+    call = _call(batch, tight=True, stats_rows=batch.rows_q)
+    _check(batch, call, fallback.exact_backward(call))
+    assert emulated.calls == ["bwd", "bwd"]
+
+
+@pytest.mark.parametrize(
+    "stats",
+    [
+        lambda t, h: torch.zeros(1, h, t, 1),  # [b, h, s, 1] of older cuDNN
+        lambda t, h: torch.zeros(t, h, 1, dtype=torch.float64),
+        lambda t, h: torch.zeros(t - 1, h, 1),
+        lambda t, h: torch.zeros(t, h + 1, 1),
+    ],
+    ids=["bhs1", "float64", "fewer-rows", "other-heads"],
+)
+def test_other_statistics_layouts_recompute_the_forward(emulated, stats) -> None:
+    batch = _batch([5, 0, 3], [4, 2, 6], mask="padding_causal_bottom_right", gap_kv=[1, 0, 2])
+    call = _call(batch, stats_rows=batch.rows_q)
+    call["aux_ctx_tensors"] = [stats(batch.rows_q, batch.heads_q)]
+    assert not fallback.decide(fallback.call_facts(call)).reuse_stats
+    _check(batch, call, fallback.exact_backward(call))
+    assert emulated.calls == ["fwd", "bwd"]
+
+
+def _mode() -> Tuple[bool, bool]:
+    return torch.are_deterministic_algorithms_enabled(), (
+        torch.is_deterministic_algorithms_warn_only_enabled()
+    )
+
+
+@pytest.mark.parametrize("before", [(False, False), (True, True), (True, False)])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_calls_run_in_torchs_deterministic_mode(
+    emulated, monkeypatch: pytest.MonkeyPatch, deterministic: bool, before: Tuple[bool, bool]
+) -> None:
+    """Issue 32: ``deterministic=True`` is served, with FlashAttention-2's backward (alone)
+    in torch's deterministic mode, not warn-only; the caller's mode comes back afterwards,
+    also when the backward raises. ``deterministic=False`` leaves the caller's mode alone."""
+    seen: List[Tuple[bool, bool]] = []
+    backward = emulated._flash_attention_backward
+
+    def spy(*args: Any, **kw: Any) -> tuple:
+        seen.append(_mode())
+        return backward(*args, **kw)
+
+    monkeypatch.setattr(emulated, "_flash_attention_backward", spy)
+    batch = _batch([5, 0, 3], [4, 2, 6], mask="padding_causal", gap_kv=[1, 0, 2])
+    call = _call(batch, deterministic=deterministic, stats_rows=batch.rows_q)
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    try:
+        _check(batch, call, fallback.exact_backward(call))
+        assert _mode() == before
+        assert seen == [(True, False) if deterministic else before] * 2  # the split: two calls
+        monkeypatch.setattr(emulated, "_flash_attention_backward", lambda *a, **k: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            fallback.exact_backward(call)
+        assert _mode() == before
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_deterministic_without_torch_support_is_served_and_said(
+    emulated, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(fallback, "_deterministic_available", lambda: False)
+    batch = _batch([5, 0, 3], [4, 2, 6], mask="padding_causal_bottom_right")
+    call = _call(batch, deterministic=True)
+    with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
+        for _ in range(2):
+            _check(batch, call, fallback.exact_backward(call))
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert "not bitwise repeatable" in said and "exact" in said, said
+
+
+def test_deterministic_available_reads_torchs_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    for version, want in (("2.4.1+cu121", False), ("2.5.0", True), ("2.13.0+cpu", True)):
+        monkeypatch.setattr(torch, "__version__", version)
+        assert fallback._deterministic_available() is want, version
+
+
+def test_ready_keeps_loadable_tensors_and_copies_the_rest() -> None:
+    """FlashAttention-2 needs a unit last stride and 16-byte aligned rows."""
+    base = torch.zeros(6, 4, 8, dtype=torch.bfloat16)
+    assert fallback._ready(base) is base
+    for bad in (base.transpose(1, 2), base[:, :, 1:], base.view(-1)[4:].view(-1)[:184].view(23, 8)):
+        got = fallback._ready(bad)
+        assert got is not bad and got.is_contiguous() and torch.equal(got, bad)

@@ -57,22 +57,25 @@ def _warnings(caplog: pytest.LogCaptureFixture) -> List[str]:
 
 
 class FakeFallback:
-    """Stands in for :mod:`te_gqa_fix.fallback`: declines with ``reason`` (None: serves,
-    returning stale outputs from its own :class:`FakeBackend`)."""
+    """Stands in for :mod:`te_gqa_fix.fallback`'s decision and work: declines with
+    ``reason`` (None: serves, returning stale outputs from its own :class:`FakeBackend`).
+    ``decided`` holds the facts it was asked about, ``asked`` the calls it served."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, reason: Optional[str]) -> None:
         self.reason = reason
         self.backend = FakeBackend(seed=5)
+        self.decided: List[Any] = []
         self.asked: List[Dict[str, Any]] = []
-        monkeypatch.setattr(fallback, "why_not", self.why_not)
-        monkeypatch.setattr(fallback, "exact_backward", self.exact_backward)
+        monkeypatch.setattr(fallback, "decide", self.decide)
+        monkeypatch.setattr(fallback, "run", self.run)
 
-    def why_not(self, call: Dict[str, Any]) -> Optional[str]:
+    def decide(self, facts: Any) -> Any:
+        self.decided.append(facts)
+        return self.reason or fallback.Plan((-1, -1), False, True, "thd_thd_thd", False)
+
+    def run(self, plan: Any, call: Dict[str, Any]) -> list:
+        assert self.reason is None, "run called after the fallback declined"
         self.asked.append(call)
-        return self.reason
-
-    def exact_backward(self, call: Dict[str, Any]) -> list:
-        assert self.reason is None, "exact_backward called after why_not declined"
         return self.backend(dict(call))
 
 
@@ -245,22 +248,27 @@ def test_fallback_replaces_tes_call(
     assert call_counts() == {"calls": 2, "fixed": 0, "skipped": 0, "passthrough": 0, "fallback": 2}
 
 
-def test_fallback_that_declines_warns_with_its_reason(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("n_shapes", [1, 2])
+def test_fallback_that_declines_raises_with_its_reason_and_the_remedy(
+    monkeypatch: pytest.MonkeyPatch, n_shapes: int
 ) -> None:
+    """Issue 32: the default guard never returns a gradient it knows is wrong. Where the
+    fallback declines, every call raises, naming its reason, the remedy and the way out;
+    TE's original never runs; the decision is made once per call shape."""
     Stack(monkeypatch, AFFECTED)
-    exact = FakeFallback(monkeypatch, "dropout > 0 needs TE's RNG")
+    exact = FakeFallback(monkeypatch, "dropout=0.1 (cuDNN's dropout mask cannot be replayed)")
     fake = FakeTE("2.20")
     wrapped = wrapper_for(fake.fn)
-    with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
-        for _ in range(2):
-            fake.backend.reset()
-            assert wrapped(**_args()) is fake.backend.returned
-            assert_post_pass(fake.backend.outputs, RAGGED, "padding_causal", (-1, -1), None)
-    (said,) = _warnings(caplog)
-    assert "head dim 256" in said and "dropout > 0 needs TE's RNG" in said, said
-    assert len(exact.asked) == 2
-    assert call_counts() == {"calls": 2, "fixed": 2, "skipped": 0, "passthrough": 0, "fallback": 0}
+    for i in range(4):
+        ragged = RAGGED if i % n_shapes == 0 else make_ragged([(2, 2), (0, 3)])
+        with pytest.raises(UnrepairableConfiguration) as err:
+            wrapped(**call_arguments("2.20", ragged, head_dim=256, **GQA))
+        said = str(err.value)
+        assert "head dim 256" in said and "dropout=0.1" in said, said
+        assert "TE_GQA_FIX_CUDNN=auto" in said and "TE_GQA_FIX_GUARD=warn" in said, said
+    assert fake.backend.calls == [] and exact.asked == []
+    assert len(exact.decided) == n_shapes
+    assert call_counts() == {"calls": 4, "fixed": 0, "skipped": 0, "passthrough": 0, "fallback": 0}
 
 
 def test_fallback_output_not_understood_passes_through(
@@ -268,7 +276,9 @@ def test_fallback_output_not_understood_passes_through(
 ) -> None:
     Stack(monkeypatch, AFFECTED)
     exact = FakeFallback(monkeypatch, None)
-    monkeypatch.setattr(fallback, "exact_backward", lambda call: {"dq": None})
+    monkeypatch.setattr(
+        fallback, "run", lambda plan, call: exact.asked.append(call) or {"dq": None}
+    )
     fake = FakeTE("2.20")
     assert wrapper_for(fake.fn)(**_args()) == {"dq": None}
     assert len(exact.asked) == 1 and fake.backend.calls == []

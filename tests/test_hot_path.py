@@ -26,6 +26,7 @@ from fakes.te_outputs import (
 )
 from te_gqa_fix import postpass, validation
 from te_gqa_fix import wrapper as wrapper_module
+from te_gqa_fix.settings import SettingError
 from te_gqa_fix.wrapper import _Signature, call_counts, wrapper_for
 
 RAGGED = make_ragged(
@@ -295,11 +296,12 @@ def test_validate_change_between_calls_is_honoured(monkeypatch: pytest.MonkeyPat
 
 
 def test_new_output_metadata_is_checked_and_planned_again(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The launch plan depends on the outputs' metadata: the same call shape with outputs
     of new strides is planned again (and run with that plan); outputs that disagree with
-    each other raise ValueError naming the gradient."""
+    each other pass through untouched, logged once naming the gradient (issue 34: TE has run,
+    so there is nothing left to refuse)."""
     plans: List[tuple] = []
     ran: List[Optional[object]] = []
     real_run = postpass.run
@@ -333,33 +335,44 @@ def test_new_output_metadata_is_checked_and_planned_again(
     assert len(plans) == 2 and plans[1][0] != plans[0][0] and ran[-1] == "plan 2"
 
     _te_then(monkeypatch, lambda backend, out: out.__setitem__(2, out[2][:-1]))
-    with pytest.raises(ValueError, match=r"^dv: expected the same number of token rows as dk"):
-        wrapped(**call_arguments("2.20", RAGGED))
+    with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
+        for _ in range(2):
+            fake.backend.reset()
+            wrapped(**call_arguments("2.20", RAGGED))
     assert len(ran) == 3, "the post-pass ran on outputs that disagree"
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert "dv: expected the same number of token rows as dk" in said and "untouched" in said
+    assert call_counts()["passthrough"] == 2
 
 
 @pytest.mark.parametrize("name", ["dq", "dv"])
-def test_outputs_on_another_device_are_checked(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+def test_outputs_on_another_device_are_checked(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, name: str
+) -> None:
     """After a good call, TE returning one gradient on another device (same shape, strides
     and dtype) is checked as on a first call: the output key must hold every output's
-    device, not only dK's."""
+    device, not only dK's. Such outputs pass through untouched, logged."""
     fake = FakeTE("2.20")
     wrapped = wrapper_for(fake.fn)
     wrapped(**call_arguments("2.20", RAGGED))
     index = ("dq", "dk", "dv").index(name)
     _te_then(monkeypatch, lambda b, out: out.__setitem__(index, out[index].to("meta")))
-    with pytest.raises(ValueError, match=rf"^{name}: expected it on dk's device cpu, got meta"):
+    with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
         wrapped(**call_arguments("2.20", RAGGED))
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert f"{name}: expected it on dk's device cpu, got meta" in said, said
+    assert call_counts()["passthrough"] == 1
 
 
-@pytest.mark.parametrize("returned", ["dict", "two", "none"])
+@pytest.mark.parametrize("returned", ["dict", "two", "none", "grads-none", "dk-2d"])
 def test_outputs_not_understood_pass_through_logged_once(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, returned: str
 ) -> None:
     fake = FakeTE("2.20")
     wrapped = wrapper_for(fake.fn)
     shaped = {"dict": lambda out: dict(enumerate(out)), "two": lambda out: out[:2],
-              "none": lambda out: None}[returned]  # fmt: skip
+              "none": lambda out: None, "grads-none": lambda out: [out[0], None, None],
+              "dk-2d": lambda out: [out[0], out[1].flatten(1), *out[2:]]}[returned]  # fmt: skip
     got: List[Any] = []
     plain = FakeBackend.__call__
 
@@ -465,3 +478,44 @@ def test_gpu_wrapper_no_sync_and_cuda_graph(monkeypatch: pytest.MonkeyPatch) -> 
         assert bool((dk[1536:] == 0).all())  # tail
         assert bool((dq[:512] == 0).all()) and bool(dq[512:1012].isnan().all())
     assert call_counts()["fixed"] == call_counts()["calls"] == 8
+
+
+def test_the_bounded_cache_clears_and_decides_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past ``_MAX_SHAPES`` call shapes the cache starts over: it never grows without bound,
+    and a shape decided before the clear is decided (and checked) again, still right."""
+    monkeypatch.setattr(wrapper_module, "_MAX_SHAPES", 3)
+    decided: List[tuple] = []
+    real = wrapper_module._decide
+    monkeypatch.setattr(wrapper_module, "_decide", lambda *a: decided.append(a) or real(*a))
+    fake = FakeTE("2.20")
+    wrapped = wrapper_for(fake.fn)
+    shapes = [make_ragged([(n, n + 1), (0, 2)]) for n in (1, 2, 3, 4)]
+    for ragged in (*shapes, shapes[0], shapes[3]):
+        fake.backend.reset()
+        wrapped(**call_arguments("2.20", ragged))
+        assert_post_pass(fake.backend.outputs, ragged, "padding_causal", (-1, -1), None)
+    # 1 2 3 decided; 4 clears and is decided; 1 again (cleared); 4 is a hit.
+    assert len(decided) == 5
+
+
+def test_a_query_whose_shape_cannot_be_read_is_an_error_naming_q() -> None:
+    class Shapeless:
+        device = torch.device("cpu")
+
+    fake = FakeTE("2.20")
+    with pytest.raises(ValueError, match=r"^q: expected a THD tensor"):
+        wrapper_for(fake.fn)(**{**call_arguments("2.20", RAGGED), "q": Shapeless()})
+    assert fake.backend.calls == []
+
+
+@pytest.mark.parametrize("name", ["TE_GQA_FIX", "TE_GQA_FIX_GUARD", "TE_GQA_FIX_VALIDATE"])
+def test_every_setting_the_wrapper_reads_is_parsed_at_its_first_call(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """Issue 34: a typo in any setting the wrapper reads raises at the first call, naming
+    the variable, before TE runs, whether or not the call would need that setting."""
+    monkeypatch.setenv(name, "stirct")
+    fake = FakeTE("2.20")
+    with pytest.raises(SettingError, match=rf"^{name}='stirct' is not an accepted value"):
+        wrapper_for(fake.fn)(**call_arguments("2.20", RAGGED, heads_q=2, heads_kv=2))
+    assert fake.backend.calls == []

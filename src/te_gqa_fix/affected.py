@@ -216,7 +216,7 @@ def unrepairable(device_index: Optional[int], d_qk: int, d_v: int) -> Optional[s
             f"te_gqa_fix: Transformer Engine's THD attention backward with head dim {shape} on "
             f"sm{cap[0]}{cap[1]} with cuDNN {_vstr(facts.cudnn or ())} returns wrong gradients "
             "on rows that receive attention; a post-pass cannot repair this. "
-            + ("No cuDNN measured so far fixes it." if fixed else f"Remedy: {remedy()}")
+            + ("No cuDNN measured so far fixes it." if fixed else f"Remedy: {remedy()}.")
         )
     with _lock:
         _decisions[key] = msg

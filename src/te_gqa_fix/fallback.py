@@ -1,20 +1,37 @@
 """An exact replacement for TE's ``fused_attn_bwd`` on packed THD input, on FlashAttention-2.
 
-Where cuDNN's backward is wrong on live rows (Hopper, cuDNN < 9.18, head dim 192/256) no
-post-pass can repair it. PyTorch's own FlashAttention-2 varlen kernels compute the same
-gradients, with the offsets kept on the device: no host sync, CUDA-graph safe.
+Where cuDNN's backward is wrong on live rows (Hopper, cuDNN < 9.18, head dims above 128; q/k
+256 with v 128 on every cuDNN measured) no post-pass can repair it. PyTorch's own
+FlashAttention-2 varlen backward computes the same gradients from TE's forward output and
+softmax statistics, with the offsets kept on the device: no host sync, CUDA-graph safe.
+
+A call is decided from its metadata once (:func:`call_facts` -> :func:`decide`: a
+:class:`Plan`, or why not); :func:`run` then does the work for every call of that shape.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+import contextlib
+import logging
+from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
+from ._logging import log_once
 from .masks import window_pair
 
-__all__ = ["coverage", "exact_backward", "head_dim_reason", "why_not"]
+__all__ = [
+    "CallFacts",
+    "Plan",
+    "call_facts",
+    "coverage",
+    "decide",
+    "exact_backward",
+    "head_dim_reason",
+    "run",
+    "why_not",
+]
 
 # FlashAttention-2's entry points (the CPU tests put an emulation here).
 _aten = torch.ops.aten
@@ -31,7 +48,9 @@ _MASKS = {
 }
 _TE_DTYPES = {torch.float16: "kFloat16", torch.bfloat16: "kBFloat16"}
 _OFFSETS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
-_device_ok: Dict[int, Optional[str]] = {}
+_QUANTIZERS = ("s_quantizer", "dp_quantizer", "dqkv_quantizer")
+# FlashAttention-2's backward reads torch's deterministic mode from this release on.
+_DETERMINISTIC_TORCH = (2, 5)
 
 
 def coverage() -> Tuple[str, ...]:
@@ -39,109 +58,250 @@ def coverage() -> Tuple[str, ...]:
     return (
         "exact: THD, fp16/bf16, MHA/GQA/MQA, head dims up to 256 (v's at most q/k's), padded "
         "offsets, sequences without queries or keys; padding, causal (top-left or bottom-right) "
-        "and bottom-right windows; top-left windows when q and kv share one offsets tensor",
-        "declined: dropout, bias, non-vanilla softmax, FP8, non-THD, deterministic=True outside "
-        "torch's deterministic mode, contradictory causal arguments; needs CUDA sm80+",
+        "and bottom-right windows; top-left windows when q and kv share one offsets tensor; "
+        "deterministic=True bitwise repeatable",
+        "declined: dropout, bias, non-vanilla softmax, FP8, non-THD, contradictory causal "
+        "arguments; needs CUDA sm80+ (a declined call raises under TE_GQA_FIX_GUARD=fallback)",
     )
 
 
-def _no(reason: str) -> Tuple[str, Tuple[int, int], bool]:
-    return reason, (-1, -1), False
+# --------------------------------------------------------------------------- the decision
+class TensorMeta(NamedTuple):
+    """What the decision reads of one tensor argument."""
+
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
 
 
-def _mask_plan(call: Mapping[str, Any]) -> Tuple[Optional[str], Tuple[int, int], bool]:
-    """``(reason, window, split)``: FlashAttention-2's (bottom-right) window for TE's mask,
-    and whether top-left causal needs the two-call split; ``reason`` when not exact."""
-    name = call.get("attn_mask_type", "padding")
+class CallFacts(NamedTuple):
+    """Every fact :func:`decide` reads from a call: metadata only, hashable, so it keys the
+    wrapper's cache. Tensor fields are None for anything but a plain ``torch.Tensor``."""
+
+    q: Optional[TensorMeta]
+    k: Optional[TensorMeta]
+    v: Optional[TensorMeta]
+    d_o: Optional[TensorMeta]
+    o: Optional[TensorMeta]
+    stats: Optional[TensorMeta]  # aux_ctx_tensors[0]
+    offsets: Tuple[Optional[TensorMeta], ...]  # the four, TE's order (_OFFSETS)
+    offsets_given: Tuple[bool, ...]
+    one_offsets: bool  # cu_seqlens_kv is cu_seqlens_q's memory (self-attention)
+    max_seqlens_are_ints: bool
+    dropout: object
+    attn_bias_type: object
+    softmax_type: object
+    fp8: bool
+    qkv_layout: object
+    dqkv_layout: object
+    o_format: object
+    do_format: object
+    fake_dtype: object
+    dqkv_dtype: object
+    attn_mask_type: object
+    window_size: object
+    bottom_right_diagonal: object
+    has_right_bound: bool  # TE >= 2.12 passes a right window bound to cuDNN
+    deterministic: bool
+
+
+class Plan(NamedTuple):
+    """How :func:`run` computes one call shape.
+
+    ``window`` is FlashAttention-2's (bottom-right aligned) window; ``split``: top-left causal
+    across two offset tensors, computed in two calls; ``reuse_stats``: TE's softmax
+    statistics are ``[t >= rows_q, h, 1]`` float32 and replace a forward recompute;
+    ``layout``: the gradients' layout; ``deterministic``: bitwise repeatable.
+    """
+
+    window: Tuple[int, int]
+    split: bool
+    reuse_stats: bool
+    layout: str
+    deterministic: bool
+
+
+def _meta(t: object) -> Optional[TensorMeta]:
+    if type(t) is not torch.Tensor:
+        return None
+    return TensorMeta(tuple(t.shape), t.dtype, t.device)  # type: ignore[union-attr]
+
+
+def _same_memory(a: object, b: object) -> bool:
+    if a is b:
+        return True
+    return (
+        type(a) is torch.Tensor
+        and type(b) is torch.Tensor
+        and a.data_ptr() == b.data_ptr()  # type: ignore[union-attr]
+        and a.shape == b.shape  # type: ignore[union-attr]
+        and a.stride() == b.stride()  # type: ignore[union-attr]
+    )
+
+
+def call_facts(call: Mapping[str, Any]) -> CallFacts:
+    """The facts :func:`decide` reads, from TE's ``fused_attn_bwd`` arguments by name.
+
+    Args:
+        call: the arguments by name, defaults applied (TE 2.8 .. 2.20).
+
+    Returns:
+        A hashable :class:`CallFacts` (metadata only; no host sync).
+    """
+    get = call.get
+    aux = get("aux_ctx_tensors")
+    stats = aux[0] if isinstance(aux, (list, tuple)) and aux else None
+    window = get("window_size")
+    q = get("q")
+    return CallFacts(
+        q=_meta(q),
+        k=_meta(get("k")),
+        v=_meta(get("v")),
+        d_o=_meta(get("d_o")),
+        o=_meta(get("o")),
+        stats=_meta(stats),
+        offsets=tuple(_meta(get(n)) for n in _OFFSETS),
+        offsets_given=tuple(get(n) is not None for n in _OFFSETS),
+        one_offsets=_same_memory(get("cu_seqlens_q"), get("cu_seqlens_kv")),
+        max_seqlens_are_ints=all(type(get(n)) is int for n in ("max_seqlen_q", "max_seqlen_kv")),
+        dropout=get("dropout"),
+        attn_bias_type=get("attn_bias_type", "no_bias"),
+        softmax_type=get("softmax_type", "vanilla"),
+        fp8=any(get(n) is not None for n in _QUANTIZERS),
+        qkv_layout=get("qkv_layout"),
+        dqkv_layout=get("dqkv_layout", get("qkv_layout")),
+        o_format=get("o_format", "thd"),
+        do_format=get("do_format", "thd"),
+        fake_dtype=get("fake_dtype", q.dtype if type(q) is torch.Tensor else None),
+        dqkv_dtype=get("dqkv_dtype"),
+        attn_mask_type=get("attn_mask_type", "padding"),
+        window_size=tuple(window) if type(window) is list else window,
+        bottom_right_diagonal=get("bottom_right_diagonal"),
+        has_right_bound="bottom_right_diagonal" in call,
+        deterministic=bool(get("deterministic")),
+    )
+
+
+def _mask_reason(f: CallFacts) -> Union[str, Tuple[Tuple[int, int], bool]]:
+    """FlashAttention-2's window for TE's mask and whether it needs the two-call split, or
+    why the mask is not one FlashAttention-2 reproduces exactly."""
+    name = f.attn_mask_type
     if name not in _MASKS:
-        return _no(f"attn_mask_type={name!r} (THD takes {', '.join(_MASKS)})")
+        return f"attn_mask_type={name!r} (THD takes {', '.join(_MASKS)})"
     causal, bottom_right = _MASKS[name]
-    window = call.get("window_size")
-    pair = window_pair(window)
+    pair = window_pair(f.window_size)  # type: ignore[arg-type]
     if pair is None:
-        return _no(f"window_size={window!r} is not two integers >= -1")
+        return f"window_size={f.window_size!r} is not two integers >= -1"
     left, right = pair
-    brd = call.get("bottom_right_diagonal")
+    brd = f.bottom_right_diagonal
     if brd is not None and not isinstance(brd, bool):
-        return _no(f"bottom_right_diagonal={brd!r} is not a bool or None")
+        return f"bottom_right_diagonal={brd!r} is not a bool or None"
     if causal and right > 0:
-        return _no(f"window_size={window!r} with causal {name!r} (right must be -1 or 0)")
+        return f"window_size={f.window_size!r} with causal {name!r} (right must be -1 or 0)"
     if causal and brd is not None and brd != bottom_right:
-        return _no(f"bottom_right_diagonal={brd} against {name!r}")
-    if not causal and right >= 0 and "bottom_right_diagonal" not in call:
-        return _no(f"window_size={window!r} with {name!r}: TE < 2.12 sets no right bound")
+        return f"bottom_right_diagonal={brd} against {name!r}"
+    if not causal and right >= 0 and not f.has_right_bound:
+        return f"window_size={f.window_size!r} with {name!r}: TE < 2.12 sets no right bound"
     right = 0 if causal else right
     bottom_right = bottom_right if brd is None else brd
     # FlashAttention-2 aligns to the bottom right; top-left is the same where lq == lk.
-    if (left, right) == (-1, -1) or bottom_right:
-        return None, (left, right), False
-    cu_q, cu_kv = call["cu_seqlens_q"], call["cu_seqlens_kv"]
-    one = {(t.data_ptr(), t.shape, t.stride()) for t in (cu_q, cu_kv)}
-    if len(one) == 1:  # one memory: every lq == lk
-        return None, (left, right), False
+    if (left, right) == (-1, -1) or bottom_right or f.one_offsets:
+        return (left, right), False
     if (left, right) == (-1, 0):
-        return None, (-1, 0), True
-    return _no(f"top-left window_size={window!r} across two offset tensors (q, kv)")
+        return (-1, 0), True
+    return f"top-left window_size={f.window_size!r} across two offset tensors (q, kv)"
 
 
-def _call_reason(call: Mapping[str, Any]) -> Optional[str]:
-    """Why this call is not one FlashAttention-2 reproduces exactly (host metadata only)."""
-    if float(call.get("dropout") or 0.0) != 0.0:
-        return f"dropout={call.get('dropout')} (cuDNN's dropout mask cannot be replayed)"
-    for name, want in (("attn_bias_type", "no_bias"), ("softmax_type", "vanilla")):
-        if call.get(name, want) != want:
-            return f"{name}={call.get(name)!r} (only {want!r})"
-    for name in ("s_quantizer", "dp_quantizer", "dqkv_quantizer"):
-        if call.get(name) is not None:
-            return f"{name} is set (FP8)"
-    out_layout = call.get("dqkv_layout", call.get("qkv_layout"))
-    for name, value in (("qkv_layout", call.get("qkv_layout")), ("dqkv_layout", out_layout)):
-        if value not in _THD_LAYOUTS:
-            return f"{name}={value!r} (THD layouts only: {', '.join(_THD_LAYOUTS)})"
-    for name in ("o_format", "do_format"):
-        if call.get(name, "thd") != "thd":
-            return f"{name}={call.get(name)!r} (only 'thd')"
-    q, k, v, d_o = (call.get(n) for n in ("q", "k", "v", "d_o"))
-    for name, t in zip(("q", "k", "v", "d_o"), (q, k, v, d_o)):
-        if type(t) is not torch.Tensor or t.dim() != 3:
-            return f"{name} is a {type(t).__name__}, not a plain 3-D tensor (FP8 or not THD)"
-        if t.dtype != q.dtype or t.device != q.device:
+def _tensor_reason(f: CallFacts) -> Optional[str]:
+    """Why the tensors are not ones FlashAttention-2 takes (shapes, dtypes, devices)."""
+    named = (("q", f.q), ("k", f.k), ("v", f.v), ("d_o", f.d_o))
+    for name, t in named:
+        if t is None or len(t.shape) != 3:
+            return f"{name} is not a plain 3-D tensor (FP8 or not THD)"
+    q, k, v, d_o = f.q, f.k, f.v, f.d_o
+    for name, t in named[1:]:
+        if t.dtype != q.dtype or t.device != q.device:  # type: ignore[union-attr]
             return f"{name} differs from q in dtype or device"
-    dqkv_dtype = call.get("dqkv_dtype", q.dtype)  # TE < 2.16: a tex.DType
-    if call.get("fake_dtype", q.dtype) != q.dtype or (
-        dqkv_dtype != q.dtype and str(dqkv_dtype).split(".")[-1] != _TE_DTYPES.get(q.dtype)
+    dqkv = f.dqkv_dtype
+    if f.fake_dtype != q.dtype or (  # type: ignore[union-attr]
+        dqkv is not None and dqkv != q.dtype and str(dqkv).split(".")[-1] != _TE_DTYPES.get(q.dtype)  # type: ignore[union-attr]
     ):
-        return f"fake_dtype/dqkv_dtype differ from q's {q.dtype}"
-    h_q, d = q.shape[1], q.shape[2]
-    if k.shape[1] != v.shape[1] or h_q % k.shape[1] or k.shape[0] != v.shape[0]:
-        return f"heads q {h_q}, k {k.shape[1]}, v {v.shape[1]}: KV heads must divide q heads"
-    if k.shape[2] != d or d_o.shape != (*q.shape[:2], v.shape[2]):
-        return f"head dims q {d}, k {k.shape[2]}, d_o {d_o.shape[2]}: k's and q's must be one"
-    reason = head_dim_reason(d, v.shape[2])
+        return f"fake_dtype/dqkv_dtype differ from q's {q.dtype}"  # type: ignore[union-attr]
+    (rows_q, h_q, d), (rows_k, h_k, d_k), (rows_v, h_v, d_v) = q.shape, k.shape, v.shape  # type: ignore[union-attr]
+    if h_k != h_v or h_q % h_k or rows_k != rows_v:
+        return f"heads q {h_q}, k {h_k}, v {h_v}, rows k {rows_k}, v {rows_v}: KV heads must divide q heads, k and v share rows"
+    if d_k != d or d_o.shape != (rows_q, h_q, d_v):  # type: ignore[union-attr]
+        return f"head dims q {d}, k {d_k}, v {d_v}, d_o {d_o.shape}: k's must be q's, d_o [t, h_q, d_v]"  # type: ignore[union-attr]
+    reason = head_dim_reason(d, d_v)
     if reason is not None:
         return reason
-    if out_layout in ("t3hd", "th3d") and not q.shape == k.shape == v.shape:
-        return f"dqkv_layout={out_layout!r} with q {tuple(q.shape)} and k {tuple(k.shape)}"
-    offsets = {n: call.get(n) for n in _OFFSETS}
-    if (offsets[_OFFSETS[2]] is None) != (offsets[_OFFSETS[3]] is None):
+    if f.dqkv_layout in ("t3hd", "th3d") and not q.shape == k.shape == v.shape:  # type: ignore[union-attr]
+        return f"dqkv_layout={f.dqkv_layout!r} with q {q.shape} and k {k.shape}"  # type: ignore[union-attr]
+    if f.offsets_given[2] != f.offsets_given[3]:
         return "only one of cu_seqlens_q_padded and cu_seqlens_kv_padded is given"
-    like = offsets[_OFFSETS[0]]
-    for name, t in offsets.items():
-        ok = type(t) is torch.Tensor and t.dtype == torch.int32 and t.dim() == 1
-        if (t is not None or "padded" not in name) and not (
-            ok and 2 <= t.numel() == like.numel() and t.device == q.device
-        ):
-            return f"{name}: expected 1-D int32 offsets on {q.device}, all of one length"
-    for name in ("max_seqlen_q", "max_seqlen_kv"):
-        value = call.get(name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            return f"{name}={value!r} is not an int >= 0"
-    if call.get("deterministic") and not (
-        torch.are_deterministic_algorithms_enabled()
-        and not torch.is_deterministic_algorithms_warn_only_enabled()
+    first = f.offsets[0]
+    for name, given, t in zip(_OFFSETS, f.offsets_given, f.offsets):
+        if not given and "padded" in name:
+            continue
+        if (
+            t is None or t.dtype != torch.int32 or len(t.shape) != 1 or first is None
+            or not 2 <= t.shape[0] == first.shape[0] or t.device != q.device  # type: ignore[union-attr]
+        ):  # fmt: skip
+            return f"{name}: expected 1-D int32 offsets on {q.device}, all of one length"  # type: ignore[union-attr]
+    if not f.max_seqlens_are_ints:
+        return "max_seqlen_q/max_seqlen_kv are not ints"
+    return None
+
+
+def _stats_layout_known(f: CallFacts) -> bool:
+    """TE's softmax statistics are ``[t >= rows_q, h_q, 1]`` float32 and its output ``o`` is
+    q's rows with v's head dim: FlashAttention-2's backward can take both as they are."""
+    q, v, o, stats = f.q, f.v, f.o, f.stats
+    return (
+        o is not None and stats is not None
+        and o.shape == (q.shape[0], q.shape[1], v.shape[2]) and o.dtype == q.dtype  # type: ignore[union-attr]
+        and o.device == q.device and stats.dtype == torch.float32  # type: ignore[union-attr]
+        and len(stats.shape) == 3 and stats.shape[0] >= q.shape[0]  # type: ignore[union-attr]
+        and stats.shape[1:] == (q.shape[1], 1) and stats.device == q.device  # type: ignore[union-attr]
+    )  # fmt: skip
+
+
+def decide(f: CallFacts) -> Union[Plan, str]:
+    """How :func:`run` serves a call with these facts, or why it cannot.
+
+    Args:
+        f: :func:`call_facts` of the call.
+
+    Returns:
+        A :class:`Plan`, or the reason (naming the argument or the limit) it is declined.
+    """
+    if f.dropout not in (None, 0, 0.0):
+        return f"dropout={f.dropout!r} (cuDNN's dropout mask cannot be replayed)"
+    for name, value, want in (
+        ("attn_bias_type", f.attn_bias_type, "no_bias"),
+        ("softmax_type", f.softmax_type, "vanilla"),
     ):
-        return "deterministic=True outside torch.use_deterministic_algorithms(True)"
-    return _mask_plan(call)[0]
+        if value != want:
+            return f"{name}={value!r} (only {want!r})"
+    if f.fp8:
+        return "a quantizer is set (FP8)"
+    for name, value in (("qkv_layout", f.qkv_layout), ("dqkv_layout", f.dqkv_layout)):
+        if value not in _THD_LAYOUTS:
+            return f"{name}={value!r} (THD layouts only: {', '.join(_THD_LAYOUTS)})"
+    for name, value in (("o_format", f.o_format), ("do_format", f.do_format)):
+        if value != "thd":
+            return f"{name}={value!r} (only 'thd')"
+    reason = _tensor_reason(f)
+    if reason is not None:
+        return reason
+    mask = _mask_reason(f)
+    if isinstance(mask, str):
+        return mask
+    reason = _device_reason(f.q.dtype, f.q.device)  # type: ignore[union-attr]
+    if reason is not None:
+        return reason
+    window, split = mask
+    return Plan(window, split, _stats_layout_known(f), str(f.dqkv_layout), f.deterministic)
 
 
 def head_dim_reason(d_qk: int, d_v: Optional[int] = None) -> Optional[str]:
@@ -159,23 +319,30 @@ def head_dim_reason(d_qk: int, d_v: Optional[int] = None) -> Optional[str]:
     return None
 
 
-def _device_reason(q: torch.Tensor) -> Optional[str]:
-    """Why torch's FlashAttention-2 cannot run on ``q`` (dtype, device, build); cached."""
-    if q.dtype not in _TE_DTYPES:
-        return f"dtype {q.dtype} (FlashAttention-2 takes fp16/bf16)"
-    if q.device.type != "cuda":
-        return f"tensors on {q.device}, not CUDA"
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    if index not in _device_ok:
-        schema = str(_aten._flash_attention_backward.default._schema)
-        built = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)()
-        if not built or "window_size_left" not in schema:
-            _device_ok[index] = "this torch has no FlashAttention-2 with window arguments"
-        elif torch.cuda.get_device_capability(index) < (8, 0):
-            _device_ok[index] = "FlashAttention-2 needs compute capability 8.0 or newer"
-        else:
-            _device_ok[index] = None
-    return _device_ok[index]
+_device_ok: Dict[Tuple[torch.dtype, torch.device], Optional[str]] = {}
+
+
+def _device_reason(dtype: torch.dtype, device: torch.device) -> Optional[str]:
+    """Why torch's FlashAttention-2 cannot run on this dtype and device; cached."""
+    key = (dtype, device)
+    if key not in _device_ok:
+        _device_ok[key] = _probe_device(dtype, device)
+    return _device_ok[key]
+
+
+def _probe_device(dtype: torch.dtype, device: torch.device) -> Optional[str]:
+    if dtype not in _TE_DTYPES:
+        return f"dtype {dtype} (FlashAttention-2 takes fp16/bf16)"
+    if device.type != "cuda":
+        return f"tensors on {device}, not CUDA"
+    schema = str(_aten._flash_attention_backward.default._schema)
+    built = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)()
+    if not built or "window_size_left" not in schema:
+        return "this torch has no FlashAttention-2 with window arguments"
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if torch.cuda.get_device_capability(index) < (8, 0):
+        return "FlashAttention-2 needs compute capability 8.0 or newer"
+    return None
 
 
 def why_not(call: Mapping[str, Any]) -> Optional[str]:
@@ -187,20 +354,24 @@ def why_not(call: Mapping[str, Any]) -> Optional[str]:
     Returns:
         None when it does; else the reason, naming the argument or the limit.
     """
-    return _call_reason(call) or _device_reason(call["q"])
+    plan = decide(call_facts(call))
+    return plan if isinstance(plan, str) else None
 
 
+# ------------------------------------------------------------------------------ the work
 def _ready(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as FlashAttention-2 loads it: unit last stride, 16-byte aligned rows."""
+    """``t`` as FlashAttention-2 loads it: unit last stride, 16-byte aligned rows (a copy
+    where not: ``contiguous()`` would return a contiguous but misaligned view unchanged)."""
     aligned = t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
-    return t if t.stride(-1) == 1 and aligned else t.contiguous()
+    return t if t.stride(-1) == 1 and aligned else t.clone(memory_format=torch.contiguous_format)
 
 
 def _segments(lo: torch.Tensor, hi: torch.Tensor, rows: int) -> torch.Tensor:
     """Varlen offsets ``[0, lo_0, hi_0, lo_1, hi_1, ..., hi_{B-1}, rows]``: sequence ``b`` is
     segment ``2b + 1`` (rows ``[lo_b, hi_b)``), every other row lies in a segment of its own.
-    Clamped to the buffer and non-decreasing, so impossible offsets stay inside it."""
-    off = torch.nn.functional.pad(torch.stack((lo, hi), 1).reshape(-1), (1, 1))
+    Clamped to the buffer and non-decreasing, so impossible offsets stay inside it. A buffer
+    row is then FlashAttention-2's row too: TE's per-row statistics index it unchanged."""
+    off = F.pad(torch.stack((lo, hi), 1).reshape(-1), (1, 1))
     off[-1:].fill_(rows)
     return torch.cummax(off.clamp(0, rows), 0).values.to(torch.int32)
 
@@ -219,21 +390,72 @@ def _bounds(call: Mapping[str, Any]) -> Tuple[int, int]:
     """FlashAttention-2's ``max_q``, ``max_k`` from TE's bounds. It takes a window of at
     least ``max_k`` as unbounded: exact when ``max_k`` bounds every query and key count.
     A ``max_q`` of 1 would switch it to a decode layout."""
-    max_q = max(call["max_seqlen_q"], 2)
-    return max_q, max(call["max_seqlen_kv"], max_q)
+    max_q, max_k = call["max_seqlen_q"], call["max_seqlen_kv"]
+    if max_q < 0 or max_k < 0:
+        raise ValueError(f"max_seqlen_q/max_seqlen_kv: expected ints >= 0, got {max_q}, {max_k}")
+    max_q = max(max_q, 2)
+    return max_q, max(max_k, max_q)
 
 
-def _flash(q, k, v, d_o, off_q, off_k, max_q, max_k, window, scale) -> tuple:
-    """FlashAttention-2's forward (for its softmax statistics) and backward on these segments."""
+@contextlib.contextmanager
+def _deterministic(on: bool) -> Iterator[None]:
+    """torch's deterministic mode (not warn-only) for the block alone when ``on``; the
+    previous mode comes back even when the block raises. Host flags only: graph-safe."""
+    if not on or (
+        torch.are_deterministic_algorithms_enabled()
+        and not torch.is_deterministic_algorithms_warn_only_enabled()
+    ):
+        yield
+        return
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = False  # its outputs are all written
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+def _deterministic_available() -> bool:
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    return version >= _DETERMINISTIC_TORCH
+
+
+class _Args(NamedTuple):
+    """One FlashAttention-2 call's tensors (head dims padded to q/k's) and bounds."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    d_o: torch.Tensor
+    max_q: int
+    max_k: int
+    scale: float
+
+
+def _flash(a: _Args, off_q, off_k, window, deterministic, out=None, lse=None) -> tuple:
+    """FlashAttention-2's backward on these segments: fed TE's ``out`` and statistics
+    ``lse`` (``[h, t]``), or after its own forward where they are None."""
     left, right = window
-    kw = dict(scale=scale, window_size_left=left, window_size_right=right)
+    kw = dict(scale=a.scale, window_size_left=left, window_size_right=right)
     causal = (left, right) == (-1, 0)
-    o, lse, rng, unused, _ = _aten._flash_attention_forward(
-        q, k, v, off_q, off_k, max_q, max_k, 0.0, causal, False, **kw
-    )
-    return _aten._flash_attention_backward(
-        d_o, q, k, v, o, lse, off_q, off_k, max_q, max_k, 0.0, causal, rng, unused, **kw
-    )
+    if lse is None:
+        out, lse, seed, offset, _ = _aten._flash_attention_forward(
+            a.q, a.k, a.v, off_q, off_k, a.max_q, a.max_k, 0.0, causal, False, **kw
+        )
+    else:  # dropout 0: the philox state is not read
+        seed = torch.empty(2, dtype=torch.int64, device=a.q.device)
+        offset = torch.empty((), dtype=torch.int64, device=a.q.device)
+    with _deterministic(deterministic):
+        return _aten._flash_attention_backward(
+            a.d_o, a.q, a.k, a.v, out, lse, off_q, off_k, a.max_q, a.max_k, 0.0, causal,
+            seed, offset, **kw,
+        )  # fmt: skip
 
 
 def _pack(layout: str, grads: Tuple[torch.Tensor, ...]) -> List[torch.Tensor]:
@@ -244,7 +466,7 @@ def _pack(layout: str, grads: Tuple[torch.Tensor, ...]) -> List[torch.Tensor]:
     return [*grads[:first], *torch.stack(grads[first:], dim).unbind(dim)]
 
 
-def exact_backward(call: Mapping[str, Any]) -> List[Optional[torch.Tensor]]:
+def run(plan: Plan, call: Mapping[str, Any]) -> List[Optional[torch.Tensor]]:
     """What TE's ``fused_attn_bwd(**call)`` returns, computed with FlashAttention-2.
 
     Every row with a nonzero true gradient is exact. Rows whose true gradient is 0 (padding,
@@ -253,48 +475,76 @@ def exact_backward(call: Mapping[str, Any]) -> List[Optional[torch.Tensor]]:
     ``max_seqlen_q``/``max_seqlen_kv`` must bound every valid sequence length, as TE requires.
 
     Args:
+        plan: :func:`decide`'s plan for this call's :func:`call_facts`.
         call: TE's ``fused_attn_bwd`` arguments by name, defaults applied.
 
     Returns:
         ``[dq, dk, dv, None, None]`` as TE returns them (no dBias, no dSoftmaxOffset).
-
-    Raises:
-        ValueError: when :func:`why_not` gives a reason.
     """
-    reason = why_not(call)
-    if reason is not None:
-        raise ValueError(f"exact_backward cannot reproduce this call: {reason}")
     q, k, v, d_o = (_ready(call[n]) for n in ("q", "k", "v", "d_o"))
-    start_q, len_q, start_k, len_k = _sequences(call)
-    _, window, split = _mask_plan(call)
-    max_q, max_k = _bounds(call)
-    scale = call.get("attn_scale")
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    d_v = v.shape[-1]
-    if d_v < q.shape[-1]:  # zero columns: P @ [V, 0] = [O, 0], so dQ, dK and dV[:d_v] hold
-        pad = (0, q.shape[-1] - d_v)
+    rows_q, rows_k, d_qk, d_v = q.shape[0], k.shape[0], q.shape[-1], v.shape[-1]
+    out = lse = None
+    if plan.reuse_stats:
+        out = _ready(call["o"])
+        # [t, h, 1], row t = buffer row t of q: FlashAttention-2's [h, t] on our segments.
+        lse = call["aux_ctx_tensors"][0][:rows_q, :, 0].t().contiguous()
+        # A NaN there (a row no key is attended by, or padding) must not reach any gradient:
+        # +inf makes every probability of its row 0, as for FlashAttention-2's own empty rows.
+        inf = float("inf")
+        lse = lse.nan_to_num_(nan=inf, posinf=inf, neginf=-inf)
+    if d_v < d_qk:  # zero columns: P @ [V, 0] = [O, 0], so dQ, dK and dV[:d_v] hold
+        pad = (0, d_qk - d_v)
         v, d_o = F.pad(v, pad), F.pad(d_o, pad)
-    rows_q, rows_k = q.shape[0], k.shape[0]
-    args = (q, k, v, d_o)
-    if not split:
+        out = None if out is None else F.pad(out, pad)
+    if plan.deterministic and not _deterministic_available():
+        log_once(
+            ("no-deterministic-fa2",), logging.WARNING,
+            "te_gqa_fix: deterministic=True, but FlashAttention-2 in torch %s has no "
+            "deterministic backward: the exact fallback's gradients are exact, not bitwise "
+            "repeatable", torch.__version__,
+        )  # fmt: skip
+    scale = call.get("attn_scale")
+    args = _Args(q, k, v, d_o, *_bounds(call), d_qk**-0.5 if scale is None else float(scale))
+    det = plan.deterministic
+    start_q, len_q, start_k, len_k = _sequences(call)
+    if not plan.split:
         off_q = _segments(start_q, start_q + len_q, rows_q)
         off_k = _segments(start_k, start_k + len_k, rows_k)
-        dq, dk, dv = _flash(*args, off_q, off_k, max_q, max_k, window, scale)
+        dq, dk, dv = _flash(args, off_q, off_k, plan.window, det, out, lse)
     else:
         # Top-left causal: query i of a sequence sees keys [0, min(i, lk - 1)]. The first
         # n = min(lq, lk) queries and keys form a square, causal both ways round; queries
         # from lk on (only when lq > lk) see every key. Keys from lq on are seen by none.
+        # Each query's keys lie in one of the two calls, so TE's statistics hold in both.
         n = torch.minimum(len_q, len_k)
         off_qa = _segments(start_q, start_q + n, rows_q)
         off_ka = _segments(start_k, start_k + n, rows_k)
-        dq, dk, dv = _flash(*args, off_qa, off_ka, max_q, max_k, (-1, 0), scale)
+        dq, dk, dv = _flash(args, off_qa, off_ka, (-1, 0), det, out, lse)
         off_qb = _segments(start_q + n, start_q + len_q, rows_q)
         off_kb = _segments(start_k, start_k + len_k, rows_k)
-        dq_b, dk_b, dv_b = _flash(*args, off_qb, off_kb, max_q, max_k, (-1, -1), scale)
+        dq_b, dk_b, dv_b = _flash(args, off_qb, off_kb, (-1, -1), det, out, lse)
         # Each live query row is in one call's sequence segments (odd segment index).
         rows = torch.arange(rows_q, dtype=torch.int32, device=q.device)
         in_b = torch.searchsorted(off_qb, rows, right=True) % 2 == 0
         dq = torch.where(in_b.view(-1, 1, 1), dq_b, dq)
         dk, dv = dk + dk_b, dv + dv_b
-    layout = call.get("dqkv_layout", call["qkv_layout"])
-    return [*_pack(layout, (dq, dk, dv[..., :d_v])), None, None]
+    return [*_pack(plan.layout, (dq, dk, dv[..., :d_v])), None, None]
+
+
+def exact_backward(call: Mapping[str, Any]) -> List[Optional[torch.Tensor]]:
+    """:func:`run` for one call, decided now (the wrapper decides once per call shape).
+
+    Args:
+        call: TE's ``fused_attn_bwd`` arguments by name, defaults applied.
+
+    Returns:
+        ``[dq, dk, dv, None, None]`` as TE returns them; rows whose true gradient is 0 hold
+        anything until the post-pass runs.
+
+    Raises:
+        ValueError: when :func:`why_not` gives a reason.
+    """
+    plan = decide(call_facts(call))
+    if isinstance(plan, str):
+        raise ValueError(f"exact_backward cannot reproduce this call: {plan}")
+    return run(plan, call)

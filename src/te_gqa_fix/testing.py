@@ -286,14 +286,16 @@ def reference_attention(
     """Per-sequence softmax attention and its autograd gradients in ``dtype``.
 
     Returns:
-        ``o, dq, dk, dv`` laid out like TE's buffers; rows outside sequences, and queries
-        without keys, get 0 (their true value).
+        ``o, dq, dk, dv`` laid out like TE's buffers, and ``lse`` ``[rows_q, heads_q]``, each
+        query's log-sum-exp of its scaled scores (TE's softmax statistics); rows outside
+        sequences, and queries without keys, get 0.
     """
     t = {
         k: batch.tensors[k].detach().to(device=device, dtype=dtype) for k in ("q", "k", "v", "d_o")
     }
     group = batch.heads_q // batch.heads_kv
     o, dq, dk, dv = (torch.zeros_like(t[name]) for name in ("d_o", "q", "k", "v"))
+    lse = torch.zeros(batch.rows_q, batch.heads_q, dtype=dtype, device=device)
     scale = batch.head_dim**-0.5
     for sq, sk, lq, lk in zip(batch.pad_q, batch.pad_kv, batch.lq, batch.lk):
         if lq == 0 or lk == 0:
@@ -304,6 +306,7 @@ def reference_attention(
         scores = torch.einsum("ihd,jhd->hij", q, k.repeat_interleave(group, dim=1)) * scale
         allowed = attention_mask(lq, lk, batch).to(device)
         scores = scores.masked_fill(~allowed, float("-inf"))
+        lse[sq : sq + lq] = torch.logsumexp(scores, -1).t().detach().nan_to_num(0.0, 0.0, 0.0)
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
         out = torch.einsum("hij,jhd->ihd", probs, v.repeat_interleave(group, dim=1))
         out.backward(t["d_o"][sq : sq + lq])
@@ -311,7 +314,7 @@ def reference_attention(
         dq[sq : sq + lq] = q.grad
         dk[sk : sk + lk] = k.grad
         dv[sk : sk + lk] = v.grad
-    return {"o": o, "dq": dq, "dk": dk, "dv": dv}
+    return {"o": o, "dq": dq, "dk": dk, "dv": dv, "lse": lse}
 
 
 GRADS = ("dq", "dk", "dv")

@@ -1,8 +1,17 @@
 """The wrapper of TE's ``fused_attn_bwd``: TE's call (or the exact fallback), then the post-pass.
 
+One call, top to bottom (``fused_attn_bwd`` below):
+
+1. the settings, parsed (a typo in any of them raises here, at the first call);
+2. a fixed cuDNN at head dims it gets right: TE's call, untouched;
+3. the call's metadata -> its :class:`Decision`, made once per call shape and cached: post-pass
+   or not, the guard's verdict, the fallback's plans, the post-pass kernel's launch plan;
+4. the guard, where TE's result is wrong beyond any post-pass: the exact fallback
+   (:mod:`.fallback`) instead of TE, or an error; never TE's wrong result unless asked;
+5. the post-pass (:mod:`.postpass`) on the gradients.
+
 Arguments are read by name through the wrapped function's signature: TE's signature drifted
-between releases and its call sites mix positional and keyword arguments. One cache, keyed
-on a call's metadata, holds each call shape's decision and launch plan; no host sync.
+between releases and its call sites mix positional and keyword arguments. No host sync.
 """
 
 from __future__ import annotations
@@ -11,12 +20,13 @@ import functools
 import inspect
 import logging
 import operator
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from . import affected, fallback, postpass, settings
 from ._logging import log_once, logger
+from .affected import UnrepairableConfiguration
 from .masks import KeySpan, key_span
 from .validation import check_metadata, shape_of
 
@@ -43,13 +53,18 @@ _counts: List[int] = [0] * 5
 
 
 def call_counts() -> Dict[str, int]:
-    """Calls through any wrapper: ``calls``; ``fixed`` (post-pass on TE's output);
-    ``skipped`` (nothing to do: MHA, non-THD, policy off, fixed cuDNN); ``passthrough``
-    (not understood, logged once); ``fallback`` (the exact fallback replaced TE's call)."""
+    """Calls through any wrapper since the last reset.
+
+    Returns:
+        ``calls``; ``fixed`` (post-pass on TE's output); ``skipped`` (nothing to do: MHA,
+        non-THD, policy off, fixed cuDNN); ``passthrough`` (not understood, logged once);
+        ``fallback`` (the exact fallback replaced TE's call).
+    """
     return dict(zip(_COUNT_NAMES, _counts))
 
 
 def reset_call_counts() -> None:
+    """Set every count of :func:`call_counts` to 0."""
     _counts[:] = [0] * 5
 
 
@@ -92,6 +107,7 @@ class _Signature:
             self.need = max(positions[n] for n in _NAMES) + 1
 
     def pick(self, args: Sequence, kwargs: Mapping[str, Any]) -> tuple:
+        """The values of :data:`_NAMES` in this call (defaults where not given)."""
         if self.fast is not None and not kwargs and len(args) >= self.need:
             return self.fast(args)
         n_args = len(args)
@@ -101,28 +117,54 @@ class _Signature:
         )
 
     def bind(self, args: Sequence, kwargs: Mapping[str, Any]) -> Dict[str, Any]:
+        """Every argument by name, defaults applied (TypeError where TE's call would fail)."""
         bound = self.sig.bind(*args, **kwargs)
         bound.apply_defaults()
         return dict(bound.arguments)
 
 
-class _Entry:
-    """One call shape's decision: ``fix`` (post-pass on TE's output), ``fix_q`` (dQ too),
-    ``span``, ``dims`` (``(device, d_qk, d_v)`` when the guard applies), and the launch
-    plan for the outputs of metadata ``out_key``."""
+class Decision:
+    """Everything one call shape needs, decided from its metadata at its first call.
 
-    __slots__ = ("dims", "fix", "fix_q", "out_key", "plan", "span")
+    Attributes:
+        postpass: zero the dead rows of the gradients (False: TE's output as it is).
+        dq_too: dQ is THD, so its dead rows are zeroed as well.
+        span: the mask's attended-key rule (:func:`te_gqa_fix.masks.key_span`).
+        unrepairable: why TE's result is wrong beyond any post-pass here, or None.
+        fallback_plans: :func:`te_gqa_fix.fallback.call_facts` -> the fallback's plan, or
+            why it declines.
+        out_key, kernel: the gradients' metadata and the post-pass launch plan made for it.
+    """
 
-    def __init__(self, fix: bool, fix_q: bool = False, span: Optional[KeySpan] = None,
-                 dims: Optional[Tuple[int, int, int]] = None) -> None:  # fmt: skip
-        self.fix, self.fix_q, self.span, self.dims = fix, fix_q, span, dims
+    __slots__ = (
+        "dq_too",
+        "fallback_plans",
+        "kernel",
+        "out_key",
+        "postpass",
+        "span",
+        "unrepairable",
+    )
+
+    def __init__(
+        self,
+        postpass: bool,
+        dq_too: bool = False,
+        span: Optional[KeySpan] = None,
+        unrepairable: Optional[str] = None,
+    ) -> None:
+        self.postpass = postpass
+        self.dq_too = dq_too
+        self.span = span
+        self.unrepairable = unrepairable
+        self.fallback_plans: Dict[fallback.CallFacts, Union[fallback.Plan, str]] = {}
         self.out_key: object = _UNSET
-        self.plan: Optional[object] = None
+        self.kernel: Optional[object] = None
 
 
 _UNSET = object()
-_SKIP = _Entry(False)
-_MAX_ENTRIES = 256
+_NOTHING_TO_DO = Decision(False)
+_MAX_SHAPES = 256
 _Tensor = torch.Tensor
 
 
@@ -165,7 +207,7 @@ def _call_key(policy: str, dev: Optional[int], picked: tuple) -> Optional[tuple]
     )  # fmt: skip
 
 
-def _decide(policy: str, dev: Optional[int], picked: tuple) -> Optional[_Entry]:
+def _decide(policy: str, dev: Optional[int], picked: tuple) -> Optional[Decision]:
     """What to do for one call shape, from metadata alone; None: not understood (logged).
 
     Raises ``ValueError`` naming the argument for bad input, so a bad call is never cached.
@@ -177,47 +219,64 @@ def _decide(policy: str, dev: Optional[int], picked: tuple) -> Optional[_Entry]:
         msg = "%s=%r is not a layout te-gqa-fix knows"
         _passthrough(("layout", layout), msg, layout_name, layout)
         return None
-    fix_q, fix_kv = formats
-    if not fix_kv:
-        return _SKIP
+    dq_too, kv_thd = formats
+    if not kv_thd:
+        return _NOTHING_TO_DO
     sq, sk = shape_of(q), shape_of(k)
     d_qk, d_v = _head_dims(q, v)
-    dims = None
-    if dev is not None and d_qk and d_v and affected.unrepairable(dev, d_qk, d_v):
-        dims = (dev, d_qk, d_v)
+    unrepairable = None
+    if dev is not None and d_qk and d_v:
+        unrepairable = affected.unrepairable(dev, d_qk, d_v)
     h_q = int(sq[-2]) if sq and len(sq) >= 2 else None
     h_kv = int(sk[-2]) if sk and len(sk) >= 2 else None
-    fix = policy == "always" or h_q is None or h_q != h_kv
-    if not fix and dims is None:
-        return _SKIP
+    postpass = policy == "always" or h_q is None or h_q != h_kv
+    if not postpass and unrepairable is None:
+        return _NOTHING_TO_DO
     names = ("q", "k", "v")
-    check_metadata(q if fix_q else None, k, v, cu_q, cu_kv, pad_q, pad_kv, h_q, h_kv, names)
-    return _Entry(fix, fix_q, key_span(mask, window, brd), dims)
+    check_metadata(q if dq_too else None, k, v, cu_q, cu_kv, pad_q, pad_kv, h_q, h_kv, names)
+    return Decision(postpass, dq_too, key_span(mask, window, brd), unrepairable)
 
 
-def _guard(entry: _Entry, sig: _Signature, args: Sequence, kwargs: Mapping) -> Optional[dict]:
-    """For a configuration the post-pass cannot repair, per ``TE_GQA_FIX_GUARD``: the bound
-    call for the exact fallback, or None (TE's call; warned once, or raised under strict)."""
-    msg = affected.unrepairable(*entry.dims)  # type: ignore[misc]
-    mode = settings.get("TE_GQA_FIX_GUARD")
-    if msg is None or mode == "off":
+def _fallback_plan(decision: Decision, call: Mapping[str, Any]) -> Union[fallback.Plan, str]:
+    """The fallback's plan for this call (decided once per :class:`~.fallback.CallFacts`)."""
+    facts = fallback.call_facts(call)
+    try:
+        plan = decision.fallback_plans.get(facts)
+    except TypeError:  # an unhashable argument: decide without the cache
+        return fallback.decide(facts)
+    if plan is None:
+        plan = decision.fallback_plans[facts] = fallback.decide(facts)
+    return plan
+
+
+def _guarded(
+    decision: Decision, mode: str, sig: _Signature, args: Sequence, kwargs: Mapping
+) -> Optional[Any]:
+    """For a call TE gets wrong beyond any post-pass, per ``TE_GQA_FIX_GUARD``: the exact
+    fallback's output (``fallback``), None for TE's own result (``warn``, once logged, or
+    ``off``), or :class:`UnrepairableConfiguration` (``strict``; ``fallback`` where the
+    fallback cannot serve the call)."""
+    msg = decision.unrepairable
+    if mode == "off":
         return None
     if mode == "strict":
-        raise affected.UnrepairableConfiguration(msg)
-    if mode == "fallback":
-        call = sig.bind(args, kwargs)
-        why = fallback.why_not(call)
-        if why is None:
-            log_once(
-                ("fallback", entry.dims), logging.WARNING,
-                "%s te-gqa-fix computes this backward exactly with PyTorch's FlashAttention-2 "
-                "kernels instead (slower than a fixed cuDNN; TE_GQA_FIX_CUDNN=auto is the faster "
-                "remedy)", msg,
-            )  # fmt: skip
-            return call
-        msg = f"{msg} The exact fallback cannot serve this call: {why}."
-    log_once(("unrepairable", entry.dims, msg), logging.WARNING, "%s", msg)
-    return None
+        raise UnrepairableConfiguration(msg)
+    if mode == "warn":
+        log_once(("unrepairable", msg), logging.WARNING, "%s (TE_GQA_FIX_GUARD=warn)", msg)
+        return None
+    call = sig.bind(args, kwargs)
+    plan = _fallback_plan(decision, call)
+    if isinstance(plan, str):
+        raise UnrepairableConfiguration(
+            f"{msg} The exact fallback cannot serve this call: {plan}. To accept TE's wrong "
+            "result knowingly instead, set TE_GQA_FIX_GUARD=warn."
+        )
+    log_once(
+        ("fallback", msg), logging.WARNING,
+        "%s te-gqa-fix computes this backward exactly with PyTorch's FlashAttention-2 kernels "
+        "instead (slower than a fixed cuDNN; TE_GQA_FIX_CUDNN=auto is the faster remedy)", msg,
+    )  # fmt: skip
+    return fallback.run(plan, call)
 
 
 def _out_key(dq: object, dk: object, dv: object) -> Optional[tuple]:
@@ -229,21 +288,26 @@ def _out_key(dq: object, dk: object, dv: object) -> Optional[tuple]:
     return key if dq is None else (*key, dq.shape, dq.stride(), dq.dtype, dq.device)
 
 
-def _postpass(entry: _Entry, offsets: tuple, out: Any) -> bool:
-    """Zero the dead rows of ``out`` (TE's or the fallback's); False when not understood."""
+def _zero_dead_rows(decision: Decision, offsets: tuple, out: Any) -> bool:
+    """The post-pass on ``out`` (TE's or the fallback's); False when ``out`` is not
+    gradients it can read (passed through untouched, logged once)."""
     if type(out) not in (list, tuple) or len(out) < 3:
         kind = type(out).__name__
         _passthrough(("output", kind), "fused_attn_bwd returned %s, not (dq, dk, dv, ...)", kind)
         return False
-    dq = out[0] if entry.fix_q else None
+    dq = out[0] if decision.dq_too else None
     dk, dv = out[1], out[2]
     key = _out_key(dq, dk, dv)
-    if key is None or key != entry.out_key:
-        check_metadata(dq, dk, dv, *offsets)  # once per output metadata
-        span = entry.span
-        entry.plan = None if key is None else postpass.kernel_plan(dq, dk, dv, offsets, span)  # type: ignore[arg-type]
-        entry.out_key = key
-    postpass.run(dq, dk, dv, offsets, entry.span, entry.plan)  # type: ignore[arg-type]
+    if key is None or key != decision.out_key:
+        try:  # once per output metadata
+            check_metadata(dq, dk, dv, *offsets)
+        except ValueError as exc:
+            _passthrough(("output", str(exc)), "fused_attn_bwd returned gradients it cannot read (%s)", exc)  # fmt: skip
+            return False
+        span = decision.span
+        decision.kernel = None if key is None else postpass.kernel_plan(dq, dk, dv, offsets, span)  # type: ignore[arg-type]
+        decision.out_key = key
+    postpass.run(dq, dk, dv, offsets, decision.span, decision.kernel)  # type: ignore[arg-type]
     return True
 
 
@@ -253,12 +317,13 @@ def _new_wrapper(original: Callable) -> Callable:
         reason = ""
     except (TypeError, ValueError) as exc:
         sig, reason = None, str(exc)
-    cache: Dict[tuple, _Entry] = {}
+    decisions: Dict[tuple, Decision] = {}
 
     @functools.wraps(original)
     def fused_attn_bwd(*args: Any, **kwargs: Any) -> Any:
         _counts[_CALLS] += 1
-        policy = settings.get("TE_GQA_FIX")
+        policy, guard = settings.get("TE_GQA_FIX"), settings.get("TE_GQA_FIX_GUARD")
+        settings.get("TE_GQA_FIX_VALIDATE")  # read by the post-pass; a typo raises here, first
         if policy == "off":
             _counts[_SKIPPED] += 1
             return original(*args, **kwargs)
@@ -274,27 +339,27 @@ def _new_wrapper(original: Callable) -> Callable:
                 return original(*args, **kwargs)
         key = _call_key(policy, dev, picked)
         try:
-            entry = None if key is None else cache.get(key)
+            decision = None if key is None else decisions.get(key)
         except TypeError:  # an unhashable argument: decide without the cache
-            key, entry = None, None
-        if entry is None:
-            entry = _decide(policy, dev, picked)
-            if entry is None:
+            key, decision = None, None
+        if decision is None:
+            decision = _decide(policy, dev, picked)
+            if decision is None:
                 return original(*args, **kwargs)
             if key is not None:
-                if len(cache) >= _MAX_ENTRIES:
-                    cache.clear()
-                cache[key] = entry
-        call = None if entry.dims is None else _guard(entry, sig, args, kwargs)
-        if call is not None:
-            out = fallback.exact_backward(call)
-            if _postpass(entry, picked[3:7], out):
-                _counts[_FALLBACK] += 1
-            return out
+                if len(decisions) >= _MAX_SHAPES:
+                    decisions.clear()
+                decisions[key] = decision
+        if decision.unrepairable is not None:
+            out = _guarded(decision, guard, sig, args, kwargs)
+            if out is not None:
+                if _zero_dead_rows(decision, picked[3:7], out):
+                    _counts[_FALLBACK] += 1
+                return out
         out = original(*args, **kwargs)
-        if not entry.fix:
+        if not decision.postpass:
             _counts[_SKIPPED] += 1
-        elif _postpass(entry, picked[3:7], out):
+        elif _zero_dead_rows(decision, picked[3:7], out):
             _counts[_FIXED] += 1
         return out
 

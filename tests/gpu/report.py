@@ -430,11 +430,15 @@ def render(recs: List[Rec]) -> str:
     )  # fmt: skip
     L += _section(
         "DotProductAttention",
-        "`install()`, cuDNN backend forced, a freed block between forward and backward.",
-        "build|heads|corrupted unpatched|dK dead-row max unpatched|wrapper calls"
-        "|dead-row max patched|err/bound",
+        "`install()`, cuDNN backend forced, a freed block between forward and backward; above "
+        "head dim 128 also in TE's deterministic mode (`NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`), "
+        "two steps compared bitwise.",
+        "build|case|corrupted unpatched|dK dead-row max unpatched|wrapper calls"
+        "|dead-row max patched|err/bound|bitwise repeatable",
         [[r["build"], r.get("heads") or _case(r), r.get("unpatched_corrupted"),
-          r.get("unpatched_dk_dead_max"), _fmt(r.get("counts")), _dead(r), _ratio(r)]
+          r.get("unpatched_dk_dead_max"), _fmt(r.get("counts")) if "skipped" not in r
+          else f"skipped: {_short(r['skipped'])}", _dead(r), _ratio(r),
+          _fmt(r.get("bitwise_repeatable"))]
          for r in cases("test_dpa.py")],
     )  # fmt: skip
     rows = []
@@ -465,19 +469,25 @@ def render(recs: List[Rec]) -> str:
         [[r["build"], _case(r), r.get("warned"), r.get("expected")]
          for r in cases("test_head_dim.py::test_guard")],
     )  # fmt: skip
-    fb = cases("test_fallback.py")
+    fb = cases("test_fallback.py::test_exact_backward_matches_fp32")
     L += _section(
         "The exact fallback",
-        "`tests/gpu/test_fallback.py`: `fallback.exact_backward` then the post-pass against fp32, "
-        "head dims 192/256 x GQA/MQA/MHA x padding, top-left causal (two calls), bottom-right "
+        "`tests/gpu/test_fallback.py`: `fallback.exact_backward`, fed TE's forward output and "
+        "softmax statistics, then the post-pass, against fp32: head dims 192, 256 and 256/128 "
+        "x GQA/MQA/MHA x padding, top-left causal (two offsets tensors: two calls), bottom-right "
         "causal, bottom-right window, top-left window (one offsets tensor) x `thd_thd_thd`/"
-        "`thd_t2hd`, zero-length sequences on both sides; one CUDA-graph capture and replay.",
-        "build|cases|exact|worst err/bound|dead-row max|TE's own backward exact",
-        [[b, len(rs), sum(bool(r.get("exact")) for r in rs),
+        "`thd_t2hd`/`deterministic=True` (GQA), zero-length sequences on both sides; two calls "
+        "compared bitwise. Also one CUDA-graph capture and replay, a forward recompute for "
+        "statistics of another layout, and a declined call (dropout) raising under the default.",
+        "build|deterministic|cases|exact|bitwise repeatable|worst err/bound|dead-row max"
+        "|TE's own backward exact",
+        [[b, det, len(rs), sum(bool(r.get("exact")) for r in rs),
+          sum(bool(r.get("bitwise_repeatable")) for r in rs),
           max((x for r in rs if (x := _ratio(r)) is not None), default=None),
           max((x for r in rs if (x := _dead(r)) is not None), default=None),
           f"{sum(bool(r.get('te_exact')) for r in rs)}/{sum('te_exact' in r for r in rs)}"]
-         for b in builds if (rs := [r for r in fb if r["build"] == b])],
+         for b in builds for det in (False, True)
+         if (rs := [r for r in fb if r["build"] == b and bool(r.get("deterministic")) == det])],
     )  # fmt: skip
     if by["cp"]:
         L += _section(

@@ -1,7 +1,9 @@
 """The exact fallback on the GPU: ``fallback.exact_backward`` called directly on TE-shaped THD
-input (the arguments TE's ``fused_attn_bwd`` binds), then the post-pass, against fp32 with
-the repository's tolerance rule, at head dims 192 and 256 where cuDNN < 9.18 is wrong on
-live rows. Also one CUDA-graph capture and replay, and the TE-statistics variant."""
+input (the arguments TE's ``fused_attn_bwd`` binds, TE's forward output and statistics among
+them), then the post-pass, against fp32 with the repository's tolerance rule, at head dims
+192, 256 and 256/128 where cuDNN is wrong on live rows; ``deterministic`` both ways (True:
+two calls bitwise equal). Also one CUDA-graph capture and replay, the forward recompute for
+statistics of an unknown layout, and a declined call raising through the wrapper."""
 
 from __future__ import annotations
 
@@ -43,17 +45,20 @@ CASES = {  # name -> (mask, window, self-attention)
 HEADS = {"gqa": (8, 2), "mqa": (8, 1), "mha": (8, 8)}
 
 
-def _batch(case: str, heads, head_dim: int, seed: int = 0) -> ThdBatch:
+DIMS = {"192": (192, 192), "256": (256, 256), "256-128": (256, 128)}
+
+
+def _batch(case: str, heads, dims, seed: int = 0) -> ThdBatch:
     mask, window, one = CASES[case]
     lq, lk, gaps = (SELF, SELF, SELF_GAPS) if one else (LQ, LK, GAPS)
     batch = make_batch(
-        lq, lk, heads_q=heads[0], heads_kv=heads[1], head_dim=head_dim,
+        lq, lk, heads_q=heads[0], heads_kv=heads[1], head_dim=dims[0], head_dim_v=dims[1],
         dtype=torch.bfloat16, mask=mask, window=window, **gaps,
     )  # fmt: skip
     random_inputs(batch, seed=seed)
     try:
-        te_forward(batch)
-    except Exception as exc:  # the fallback recomputes the forward; TE's is context only
+        te_forward(batch)  # the fallback takes its output and softmax statistics
+    except Exception as exc:
         pytest.skip(f"TE's forward refuses this configuration: {exc}")
     return batch
 
@@ -83,25 +88,47 @@ def _check(batch: ThdBatch, call: Dict[str, Any], out: List[Any]) -> Dict[str, f
     return res
 
 
-@pytest.mark.parametrize("layout", ["thd_thd_thd", "thd_t2hd"])
+class _Counting:
+    """torch's FlashAttention-2 entry points, counting the forward calls."""
+
+    def __init__(self) -> None:
+        self.forwards = 0
+
+    def _flash_attention_forward(self, *args: Any, **kwargs: Any):
+        self.forwards += 1
+        return torch.ops.aten._flash_attention_forward(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(torch.ops.aten, name)
+
+
+@pytest.mark.parametrize("variant", ["thd_thd_thd", "thd_t2hd", "deterministic"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("heads", list(HEADS))
-@pytest.mark.parametrize("head_dim", [192, 256])
-def test_exact_backward_matches_fp32(te, cudnn, head_dim, heads, case, layout, record):
-    batch = _batch(case, HEADS[heads], head_dim, seed=head_dim)
-    extra = {}
-    if layout == "thd_t2hd":  # k and v as views of one packed buffer
+@pytest.mark.parametrize("dims", list(DIMS))
+def test_exact_backward_matches_fp32(te, cudnn, dims, heads, case, variant, record, monkeypatch):
+    if variant == "deterministic" and heads != "gqa":
+        pytest.skip("deterministic: GQA covers the mapping; MHA/MQA run the same kernels")
+    batch = _batch(case, HEADS[heads], DIMS[dims], seed=DIMS[dims][0])
+    extra: Dict[str, Any] = {"deterministic": variant == "deterministic"}
+    if variant == "thd_t2hd":  # k and v as views of one packed buffer
         t = batch.tensors
-        t["k"], t["v"] = torch.stack((t["k"], t["v"]), 1).unbind(1)
-        extra = dict(qkv_layout=layout, dqkv_layout=layout)
+        if t["k"].shape == t["v"].shape:
+            t["k"], t["v"] = torch.stack((t["k"], t["v"]), 1).unbind(1)
+            extra.update(qkv_layout=variant, dqkv_layout=variant)
     call = te_call(batch, **extra)
     if CASES[case][2]:
         _self_attention(call)
     assert fallback.why_not(call) is None, fallback.why_not(call)
+    counting = _Counting()
+    monkeypatch.setattr(fallback, "_aten", counting)
     out = fallback.exact_backward(call)
+    assert counting.forwards == 0, "TE's statistics should replace the forward"
     assert len(out) == 5 and out[3] is None and out[4] is None
-    if layout == "thd_t2hd":
+    if "qkv_layout" in extra:
         assert out[1]._base is out[2]._base and out[1]._base is not None
+    again = [t.clone() for t in fallback.exact_backward(call)[:3]]
+    bitwise = all(torch.equal(a, b) for a, b in zip(out[:3], again))
     res = _check(batch, call, out)
     try:  # context for the record: TE's own backward on this cuDNN, without the post-pass
         te_res = compare(batch, te_backward(batch, **extra), references(batch))
@@ -111,16 +138,48 @@ def test_exact_backward_matches_fp32(te, cudnn, head_dim, heads, case, layout, r
     except Exception as exc:
         theirs = dict(te_error=f"{type(exc).__name__}: {exc}"[:200])
     record(
-        cudnn=".".join(map(str, cudnn)), d=head_dim, heads=heads, case=case, layout=layout,
-        exact=exact(res), **theirs, **res,
+        cudnn=".".join(map(str, cudnn)), d=dims, heads=heads, case=case, layout=variant,
+        deterministic=extra["deterministic"], bitwise_repeatable=bitwise, exact=exact(res),
+        **theirs, **res,
     )  # fmt: skip
     assert exact(res) and res["dq_keyless_max"] == 0.0, res
+    if extra["deterministic"]:
+        assert bitwise, "deterministic=True: two calls differ"
+
+
+def test_statistics_of_another_layout_recompute_the_forward(te, record, monkeypatch):
+    """TE's statistics in a layout not known (``[b, h, s, 1]`` of older cuDNN, here faked
+    by a 4-D tensor): the forward is recomputed, and the result is exact."""
+    batch = _batch("causal_br", HEADS["gqa"], DIMS["256"], seed=9)
+    call = te_call(batch)
+    call["aux_ctx_tensors"] = [
+        call["aux_ctx_tensors"][0].unsqueeze(0),
+        *call["aux_ctx_tensors"][1:],
+    ]
+    counting = _Counting()
+    monkeypatch.setattr(fallback, "_aten", counting)
+    out = fallback.exact_backward(call)
+    res = _check(batch, call, out)
+    record(forwards=counting.forwards, exact=exact(res), **res)
+    assert counting.forwards == 1 and exact(res), res
+
+
+def test_declined_call_raises_under_the_default_guard(te, record):
+    """q/k 256 with v 128 is wrong on every cuDNN measured: with dropout, which the fallback
+    cannot replay, the default guard raises before TE runs, naming the reason."""
+    from te_gqa_fix import fused_attn_bwd
+    from te_gqa_fix.affected import UnrepairableConfiguration
+
+    batch = _batch("causal_br", HEADS["gqa"], DIMS["256-128"], seed=4)
+    with pytest.raises(UnrepairableConfiguration, match="dropout") as err:
+        te_backward(batch, fn=fused_attn_bwd, dropout=0.1)
+    record(message=str(err.value)[:300])
 
 
 def test_cuda_graph_capture_and_replay(te, record):
     """No host sync in an eager call (sync debug mode "error"); a captured call replays to
     the eager result (dK/dV bitwise; dQ accumulates with atomics, so within bf16)."""
-    batch = _batch("causal", HEADS["gqa"], 256, seed=3)  # the split: two calls
+    batch = _batch("causal", HEADS["gqa"], DIMS["256"], seed=3)  # the split: two calls
     call = te_call(batch)
     for _ in range(2):
         fallback.exact_backward(call)  # warm-up: kernels, allocator, cached checks
@@ -151,17 +210,3 @@ def test_cuda_graph_capture_and_replay(te, record):
     assert exact(res), res
     assert same_kv
     torch.testing.assert_close(replay[0], eager[0], rtol=1.6e-2, atol=1e-3)
-
-
-class _Counting:
-    """torch's FlashAttention-2 entry points, counting the forward calls."""
-
-    def __init__(self) -> None:
-        self.forwards = 0
-
-    def _flash_attention_forward(self, *args: Any, **kwargs: Any):
-        self.forwards += 1
-        return torch.ops.aten._flash_attention_forward(*args, **kwargs)
-
-    def __getattr__(self, name: str):
-        return getattr(torch.ops.aten, name)
