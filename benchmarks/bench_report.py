@@ -115,7 +115,9 @@ def render(data: Dict[str, Any]) -> str:
         "TE's `DotProductAttention` forward + backward: THD, GQA 32/8, d 128, bf16, "
         "`padding_causal`, 8 packed sequences with padding. Blocks with and without "
         "`te_gqa_fix.install()` alternate in one process; added = median over block pairs of "
-        "the difference of the blocks' medians (`benchmarks/bench_step.py`).",
+        "the difference of the blocks' times. `synced`: each step timed alone, then a sync; "
+        "`back-to-back`: a block's steps with no sync between them, as a training loop runs "
+        "them, so host work the GPU cannot hide counts (`benchmarks/bench_step.py`).",
         "",
     ]
     rows = []
@@ -131,6 +133,7 @@ def render(data: Dict[str, Any]) -> str:
                 [
                     d.get("build") or "-",
                     str(r["tokens"]),
+                    r.get("mode", "synced"),
                     _fmt(r["step_ms"], " ms", 3),
                     _fmt(r["added_us"], " us"),
                     _fmt(r["added_pct"], "%", 2),
@@ -143,6 +146,7 @@ def render(data: Dict[str, Any]) -> str:
             [
                 "build",
                 "tokens",
+                "mode",
                 "step",
                 "added per step",
                 "% of step",

@@ -3,9 +3,14 @@
 
 THD + GQA (32 query heads, 8 KV heads, d 128, bf16, padding_causal, cuDNN backend), a packed
 batch of 8 sequences with padding, at each size. Patched (``te_gqa_fix.install()``) and
-unpatched blocks alternate in one process; each step is timed with CUDA events (then a
-sync), after warm-up steps. The added time is the median over block pairs of (patched
-block's median - unpatched block's median), also as a % of the unpatched step.
+unpatched blocks alternate in one process, after warm-up steps, in two modes:
+
+- ``synced``: each step between CUDA events, then a sync (the step's own time);
+- ``back-to-back``: the block's steps run with no sync between them, as a training loop runs
+  them, between one pair of CUDA events: host work the GPU cannot hide shows here.
+
+The added time is the median over block pairs of (patched block - unpatched block), also as
+a % of the unpatched step, with the range over pairs.
 
     python3 benchmarks/bench_step.py --out step.json [--tokens 2048,8192,32768]
 """
@@ -13,6 +18,7 @@ block's median - unpatched block's median), also as a % of the unpatched step.
 from __future__ import annotations
 
 import argparse
+import time
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -24,18 +30,36 @@ from te_gqa_fix.wrapper import call_counts
 HEADS, GROUPS, D = 32, 8, 128
 
 
-def block(step, patched: bool, steps: int, warmup: int) -> Dict[str, Any]:
-    """``warmup`` + ``steps`` steps with the fix installed or not: the timed steps' median
-    (ms) and the wrapper's call counts over the block."""
+MODES = ("synced", "back-to-back")
+
+
+def block(step, patched: bool, steps: int, warmup: int, mode: str) -> Dict[str, Any]:
+    """``warmup`` + ``steps`` steps with the fix installed or not: the time per step (ms;
+    ``synced``: the median step, ``back-to-back``: the block's mean), the host's time per
+    step (us) and the wrapper's call counts over the block."""
     (te_gqa_fix.install if patched else te_gqa_fix.uninstall)()
     before = call_counts()
     for _ in range(warmup):
         step()
-    times = [event_ms(step) for _ in range(steps)]
-    return {"ms": median(times), "calls": {k: v - before[k] for k, v in call_counts().items()}}
+    if mode == "synced":
+        t0 = time.perf_counter()
+        ms = median([event_ms(step) for _ in range(steps)])
+        host_us = (time.perf_counter() - t0) / steps * 1e6
+    else:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+
+        def run() -> None:
+            for _ in range(steps):
+                step()
+
+        ms = event_ms(run) / steps
+        host_us = (time.perf_counter() - t0) / steps * 1e6
+    calls = {k: v - before[k] for k, v in call_counts().items()}
+    return {"ms": ms, "host_us": host_us, "calls": calls}
 
 
-def run_size(te: Any, tokens: int, args: argparse.Namespace) -> Dict[str, Any]:
+def run_size(te: Any, tokens: int, args: argparse.Namespace) -> List[Dict[str, Any]]:
     batch = packed(tokens, q_empty=(), half=())  # self-attention: queries = keys
     i32 = dict(dtype=torch.int32, device="cuda")
     cu = torch.tensor(cumsum(batch["lk"]), **i32)
@@ -68,29 +92,33 @@ def run_size(te: Any, tokens: int, args: argparse.Namespace) -> Dict[str, Any]:
         )
         out.backward(d_out.view(out.shape))
 
-    pairs = []
-    for r in range(args.blocks):
-        order = (True, False) if r % 2 else (False, True)  # alternate which block runs first
-        res = {p: block(step, p, args.steps, args.warmup) for p in order}
-        pairs.append(res)
-    te_gqa_fix.uninstall()
-    diffs = [p[True]["ms"] - p[False]["ms"] for p in pairs]
-    step_ms = median([p[False]["ms"] for p in pairs])
-    added_us = median(diffs) * 1e3
-    total = {
-        p: {k: sum(x[p]["calls"][k] for x in pairs) for k in pairs[0][p]["calls"]}
-        for p in (False, True)
-    }
-    return {
-        "tokens": tokens,
-        "step_ms": step_ms,
-        "step_ms_patched": median([p[True]["ms"] for p in pairs]),
-        "added_us": added_us,
-        "added_pct": 100 * added_us / (step_ms * 1e3),
-        "added_us_range": [min(diffs) * 1e3, max(diffs) * 1e3],
-        "calls_patched": total[True],
-        "calls_unpatched": total[False],
-    }
+    rows = []
+    for mode in args.modes.split(","):
+        pairs = []
+        for r in range(args.blocks):
+            order = (True, False) if r % 2 else (False, True)  # alternate which runs first
+            pairs.append({p: block(step, p, args.steps, args.warmup, mode) for p in order})
+        te_gqa_fix.uninstall()
+        diffs = [p[True]["ms"] - p[False]["ms"] for p in pairs]
+        step_ms = median([p[False]["ms"] for p in pairs])
+        added_us = median(diffs) * 1e3
+        total = {
+            p: {k: sum(x[p]["calls"][k] for x in pairs) for k in pairs[0][p]["calls"]}
+            for p in (False, True)
+        }
+        rows.append({
+            "tokens": tokens,
+            "mode": mode,
+            "step_ms": step_ms,
+            "step_ms_patched": median([p[True]["ms"] for p in pairs]),
+            "added_us": added_us,
+            "added_pct": 100 * added_us / (step_ms * 1e3),
+            "added_us_range": [min(diffs) * 1e3, max(diffs) * 1e3],
+            "host_added_us": median([p[True]["host_us"] - p[False]["host_us"] for p in pairs]),
+            "calls_patched": total[True],
+            "calls_unpatched": total[False],
+        })  # fmt: skip
+    return rows
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -100,6 +128,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--blocks", type=int, default=30, help="block pairs per size")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per block")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per block")
+    ap.add_argument("--modes", default=",".join(MODES), help="synced, back-to-back or both")
     args = ap.parse_args(argv)
     import transformer_engine.pytorch as te
 
@@ -116,12 +145,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         "rows": [],
     }
     for tokens in map(int, args.tokens.split(",")):
-        row = run_size(te, tokens, args)
-        doc["rows"].append(row)
-        print(
-            f"{tokens} tokens: step {row['step_ms']:.3f} ms, added {row['added_us']:+.1f} us "
-            f"({row['added_pct']:+.2f}%), wrapper {row['calls_patched']}"
-        )
+        for row in run_size(te, tokens, args):
+            doc["rows"].append(row)
+            print(
+                f"{tokens} tokens, {row['mode']}: step {row['step_ms']:.3f} ms, added "
+                f"{row['added_us']:+.1f} us ({row['added_pct']:+.2f}%), range "
+                f"{row['added_us_range'][0]:+.0f}..{row['added_us_range'][1]:+.0f}, "
+                f"wrapper {row['calls_patched']}"
+            )
         torch.cuda.empty_cache()
     write(args.out, doc)
     return 0

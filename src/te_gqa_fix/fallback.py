@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ._logging import log_once
 from .masks import window_pair
+from .te_names import MASKS, OFFSET_NAMES, PACKED, THD_LAYOUTS, THD_MASKS
 
 __all__ = [
     "CallFacts",
@@ -36,18 +37,7 @@ __all__ = [
 # FlashAttention-2's entry points (the CPU tests put an emulation here).
 _aten = torch.ops.aten
 
-_THD_LAYOUTS = ("thd_thd_thd", "thd_t2hd", "thd_th2d", "t3hd", "th3d")
-# packed layout -> (index of the first packed gradient, the dimension they are stacked on)
-_PACKED = {"thd_t2hd": (1, 1), "thd_th2d": (1, 2), "t3hd": (0, 1), "th3d": (0, 2)}
-# mask name -> (causal, bottom-right by name). THD takes the padding masks only: TE refuses
-# the others there, or (older cuDNN) runs them without the per-sequence lengths.
-_MASKS = {
-    "padding": (False, False),
-    "padding_causal": (True, False),
-    "padding_causal_bottom_right": (True, True),
-}
 _TE_DTYPES = {torch.float16: "kFloat16", torch.bfloat16: "kBFloat16"}
-_OFFSETS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
 _QUANTIZERS = ("s_quantizer", "dp_quantizer", "dqkv_quantizer")
 # FlashAttention-2's backward reads torch's deterministic mode from this release on.
 _DETERMINISTIC_TORCH = (2, 5)
@@ -84,7 +74,7 @@ class CallFacts(NamedTuple):
     d_o: Optional[TensorMeta]
     o: Optional[TensorMeta]
     stats: Optional[TensorMeta]  # aux_ctx_tensors[0]
-    offsets: Tuple[Optional[TensorMeta], ...]  # the four, TE's order (_OFFSETS)
+    offsets: Tuple[Optional[TensorMeta], ...]  # the four, TE's order (OFFSET_NAMES)
     offsets_given: Tuple[bool, ...]
     one_offsets: bool  # cu_seqlens_kv is cu_seqlens_q's memory (self-attention)
     max_seqlens_are_ints: bool
@@ -160,8 +150,8 @@ def call_facts(call: Mapping[str, Any]) -> CallFacts:
         d_o=_meta(get("d_o")),
         o=_meta(get("o")),
         stats=_meta(stats),
-        offsets=tuple(_meta(get(n)) for n in _OFFSETS),
-        offsets_given=tuple(get(n) is not None for n in _OFFSETS),
+        offsets=tuple(_meta(get(n)) for n in OFFSET_NAMES),
+        offsets_given=tuple(get(n) is not None for n in OFFSET_NAMES),
         one_offsets=_same_memory(get("cu_seqlens_q"), get("cu_seqlens_kv")),
         max_seqlens_are_ints=all(type(get(n)) is int for n in ("max_seqlen_q", "max_seqlen_kv")),
         dropout=get("dropout"),
@@ -186,9 +176,9 @@ def _mask_reason(f: CallFacts) -> Union[str, Tuple[Tuple[int, int], bool]]:
     """FlashAttention-2's window for TE's mask and whether it needs the two-call split, or
     why the mask is not one FlashAttention-2 reproduces exactly."""
     name = f.attn_mask_type
-    if name not in _MASKS:
-        return f"attn_mask_type={name!r} (THD takes {', '.join(_MASKS)})"
-    causal, bottom_right = _MASKS[name]
+    if name not in THD_MASKS:
+        return f"attn_mask_type={name!r} (THD takes {', '.join(THD_MASKS)})"
+    causal, bottom_right = MASKS[name]
     pair = window_pair(f.window_size)  # type: ignore[arg-type]
     if pair is None:
         return f"window_size={f.window_size!r} is not two integers >= -1"
@@ -240,7 +230,7 @@ def _tensor_reason(f: CallFacts) -> Optional[str]:
     if f.offsets_given[2] != f.offsets_given[3]:
         return "only one of cu_seqlens_q_padded and cu_seqlens_kv_padded is given"
     first = f.offsets[0]
-    for name, given, t in zip(_OFFSETS, f.offsets_given, f.offsets):
+    for name, given, t in zip(OFFSET_NAMES, f.offsets_given, f.offsets):
         if not given and "padded" in name:
             continue
         if (
@@ -286,8 +276,8 @@ def decide(f: CallFacts) -> Union[Plan, str]:
     if f.fp8:
         return "a quantizer is set (FP8)"
     for name, value in (("qkv_layout", f.qkv_layout), ("dqkv_layout", f.dqkv_layout)):
-        if value not in _THD_LAYOUTS:
-            return f"{name}={value!r} (THD layouts only: {', '.join(_THD_LAYOUTS)})"
+        if value not in THD_LAYOUTS:
+            return f"{name}={value!r} (THD layouts only: {', '.join(THD_LAYOUTS)})"
     for name, value in (("o_format", f.o_format), ("do_format", f.do_format)):
         if value != "thd":
             return f"{name}={value!r} (only 'thd')"
@@ -460,9 +450,9 @@ def _flash(a: _Args, off_q, off_k, window, deterministic, out=None, lse=None) ->
 
 def _pack(layout: str, grads: Tuple[torch.Tensor, ...]) -> List[torch.Tensor]:
     """dQ, dK, dV as TE returns them: for packed layouts, views of one buffer."""
-    if layout not in _PACKED:
+    if layout not in PACKED:
         return list(grads)
-    first, dim = _PACKED[layout]
+    first, dim = PACKED[layout]
     return [*grads[:first], *torch.stack(grads[first:], dim).unbind(dim)]
 
 

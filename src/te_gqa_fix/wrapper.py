@@ -28,6 +28,7 @@ from . import affected, fallback, postpass, settings
 from ._logging import log_once, logger
 from .affected import UnrepairableConfiguration
 from .masks import KeySpan, key_span
+from .te_names import LAYOUTS
 from .validation import check_metadata, shape_of
 
 __all__ = ["MARKER", "call_counts", "is_wrapper", "reset_call_counts", "unwrap", "wrapper_for"]
@@ -66,16 +67,6 @@ def call_counts() -> Dict[str, int]:
 def reset_call_counts() -> None:
     """Set every count of :func:`call_counts` to 0."""
     _counts[:] = [0] * 5
-
-
-_OTHER_LAYOUTS = """sb3hd sbh3d sbhd_sb2hd sbhd_sbh2d sbhd_sbhd_sbhd bs3hd bsh3d bshd_bs2hd bshd_bsh2d
-    bshd_bshd_bshd sbhd_bshd_bshd bshd_sbhd_sbhd bhsd_bhsd_bhsd"""
-#: TE's layouts -> (dQ is THD, dK/dV are THD)
-_LAYOUTS: Dict[str, Tuple[bool, bool]] = {
-    **dict.fromkeys(("t3hd", "th3d", "thd_t2hd", "thd_th2d", "thd_thd_thd"), (True, True)),
-    **dict.fromkeys(("thd_bshd_bshd", "thd_sbhd_sbhd"), (True, False)),
-    **dict.fromkeys(_OTHER_LAYOUTS.split(), (False, False)),
-}
 
 
 #: What the wrapper reads from every call, in this order. ``dqkv_layout`` (TE >= 2.20)
@@ -214,7 +205,7 @@ def _decide(policy: str, dev: Optional[int], picked: tuple) -> Optional[Decision
     """
     q, k, v, cu_q, cu_kv, pad_q, pad_kv, mask, window, brd, lay, dlay = picked
     layout_name, layout = ("qkv_layout", lay) if dlay is None else ("dqkv_layout", dlay)
-    formats = _LAYOUTS.get(layout) if isinstance(layout, str) else None
+    formats = LAYOUTS.get(layout) if isinstance(layout, str) else None
     if formats is None:
         msg = "%s=%r is not a layout te-gqa-fix knows"
         _passthrough(("layout", layout), msg, layout_name, layout)

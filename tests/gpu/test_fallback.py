@@ -102,13 +102,14 @@ class _Counting:
         return getattr(torch.ops.aten, name)
 
 
-@pytest.mark.parametrize("variant", ["thd_thd_thd", "thd_t2hd", "deterministic"])
+# (heads, variant): every head layout plainly; packed k/v and deterministic=True with GQA.
+VARIANTS = [(h, "thd_thd_thd") for h in HEADS] + [("gqa", "thd_t2hd"), ("gqa", "deterministic")]
+
+
+@pytest.mark.parametrize("heads, variant", VARIANTS, ids=[f"{h}-{v}" for h, v in VARIANTS])
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("heads", list(HEADS))
 @pytest.mark.parametrize("dims", list(DIMS))
 def test_exact_backward_matches_fp32(te, cudnn, dims, heads, case, variant, record, monkeypatch):
-    if variant == "deterministic" and heads != "gqa":
-        pytest.skip("deterministic: GQA covers the mapping; MHA/MQA run the same kernels")
     batch = _batch(case, HEADS[heads], DIMS[dims], seed=DIMS[dims][0])
     extra: Dict[str, Any] = {"deterministic": variant == "deterministic"}
     if variant == "thd_t2hd":  # k and v as views of one packed buffer
