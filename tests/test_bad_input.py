@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -20,7 +21,7 @@ from torch.utils._pytree import tree_map
 import te_gqa_fix
 from fakes.oracle import assert_rows, bits, expected_keep, make_ragged
 from fakes.te_outputs import FakeFloat8, FakeTE, call_arguments
-from te_gqa_fix import launch, offset_errors, postpass, zero_dead_rows
+from te_gqa_fix import launch, offset_errors, postpass, validation, zero_dead_rows
 from te_gqa_fix.cli import main
 from te_gqa_fix.cli.plan import PlanInput, build_plan, plan_from_json
 from te_gqa_fix.offset_errors import OffsetsError
@@ -167,7 +168,7 @@ def _inference(a: Dict[str, Any]) -> torch.Tensor:
 
 def _overlapping_heads(a: Dict[str, Any]) -> None:
     buf = torch.randn(10, 3, 2)
-    a["dk"], a["dv"] = buf[:, 0:2], buf[:, 1:3]
+    a["dk"], a["dv"] = buf[:, 1:3], buf[:, 0:2]  # dv first in memory
 
 
 def _dq_over_dk(a: Dict[str, Any]) -> None:
@@ -175,6 +176,7 @@ def _dq_over_dk(a: Dict[str, Any]) -> None:
     a["dq"], a["dk"], a["dv"] = buf[:5, 0:4], buf[:, 3:5], torch.randn(10, 2, 2)
 
 
+_BASE = torch.randn(120)
 _RANGE = "expected a non-negative int, at most 2**31 - 1 (TE's int32 offsets)"
 #: Bad input shared by zero_dead_rows and dead_row_masks (the same gate: the same error).
 SHARED = {
@@ -233,6 +235,14 @@ ZERO_DEAD_ROWS = {
     "impl": (_set(impl="gpu"), ValueError, "impl: expected 'auto', 'torch' or 'triton', got 'gpu'"),
     "heads_not_dividing": (_set(dq=torch.randn(5, 3, 2), impl="triton"), ValueError,
                            "dk: expected a number of KV heads that divides"),
+    "dq_not_thd": (_set(dq=torch.zeros(2, 5, 2, 2)), ValueError, "dq: expected a THD tensor of "
+                   "shape [tokens, heads, head_dim], got (2, 5, 2, 2)"),
+    "dk_dv_rows": (_set(dv=torch.zeros(9, 2, 2)), ValueError,
+                   "dv: expected the same number of token rows as dk (10), got 9"),
+    "offsets_device": (_set(**{n: torch.zeros(r, h, 2, device=META)
+                               for n, r, h in (("dq", 5, 4), ("dk", 10, 2), ("dv", 10, 2))}),
+                       ValueError, "cu_seqlens_q: expected it on the attention tensors' device "
+                       "meta, got cpu"),
     "dk_dv_heads": (_set(dv=torch.zeros(10, 1, 2)), ValueError,
                     "dv: expected the same number of heads as dk"),
     "dq_meta": (_set(dq=torch.empty(5, 4, 2, device=META)), ValueError,
@@ -249,6 +259,16 @@ ZERO_DEAD_ROWS = {
     "dv_is_dk": (_set(dv=lambda a: a["dk"]), ValueError, "dv: expected memory separate from dk's"),
     "dk_dv_overlap": (_overlapping_heads, ValueError, "dv: expected memory separate from dk's"),
     "dq_dk_overlap": (_dq_over_dk, ValueError, "dk: expected memory separate from dq's"),
+    # Overlaps only an exact range test, the stride check or the dtype check catches.
+    "dv_shares_one_element": (_set(dk=_BASE[:40].view(10, 2, 2),
+                                   dv=_BASE.as_strided((10, 2, 2), (4, 1, 2), 39)),
+                              ValueError, "dv: expected memory separate from dk's"),
+    "dv_other_row_stride": (_set(dk=_BASE.as_strided((10, 2, 2), (8, 2, 1), 0),
+                                 dv=_BASE.as_strided((10, 2, 2), (12, 2, 1), 4)),
+                            ValueError, "dv: expected memory separate from dk's"),
+    "dv_other_dtype": (_set(dk=_BASE.as_strided((10, 2, 2), (8, 2, 1), 0),
+                            dv=_BASE.view(torch.float16).as_strided((10, 2, 2), (8, 2, 1), 8)),
+                       ValueError, "dv: expected memory separate from dk's"),
     "dv_requires_grad": (_set(dv=lambda a: a["dv"].requires_grad_()), ValueError,
                          "dv: expected a gradient that does not require grad"),
     "dv_parameter": (_set(dv=lambda a: torch.nn.Parameter(a["dv"])), ValueError,
@@ -260,8 +280,12 @@ ZERO_DEAD_ROWS = {
     "dk_fp8_live_transpose": (
         _set(dk=lambda a: FakeFloat8(torch.zeros(10, 2, 2, dtype=torch.uint8), torch.zeros(1))),
         ValueError, "dk: expected a torch.Tensor whose rows can be zeroed in place"),
+    "dk_fp8_not_bytes": (_set(dk=lambda a: FakeFloat8(a["dk"])), ValueError,
+                         "dk: expected a torch.Tensor whose rows can be zeroed in place"),
     "dk_dispatching_subclass": (_set(dk=lambda a: _Dispatching(a["dk"])), ValueError,
                                 "dk: expected a torch.Tensor whose rows can be zeroed in place"),
+    "dk_sparse_subclass": (_set(dk=lambda a: torch.Tensor._make_subclass(_Plain, a["dk"].to_sparse())), ValueError,
+                           "dk: expected a torch.Tensor whose rows can be zeroed in place"),
     "dk_sparse": (_set(dk=lambda a: a["dk"].to_sparse()), ValueError,
                   "dk: expected a torch.Tensor whose rows can be zeroed in place"),
 }  # fmt: skip
@@ -320,6 +344,10 @@ def test_dead_row_masks_bad_input(case: str) -> None:
         assert str(again.value) == str(info.value)
 
 
+def test_rows_up_to_the_int32_limit_are_accepted() -> None:
+    assert validation.check_rows("rows_kv", 2**31 - 1) == 2**31 - 1  # masks that big: 2 GiB
+
+
 @pytest.mark.parametrize("device", [5, 1.5, "cuda:x", "gpu", b"cpu"])
 def test_check_offset_errors_bad_input(device: Any) -> None:
     with pytest.raises(ValueError, match=r"^device: expected None \(every device\), a torch"):
@@ -339,62 +367,37 @@ def test_check_offset_errors_on_cuda_without_a_cuda_call_is_quiet() -> None:
 # ------------------------------------------------------------- what the public API zeroes
 
 
-def _expanded_heads(g: Dict[str, torch.Tensor]) -> None:
-    g["dk"] = torch.randn(10, 1, 2).expand(10, 2, 2)  # one row per token, repeated per head
-    g["dq"] = torch.randn(5, 4, 1).expand(5, 4, 2)
-
-
-def _packed(shape: Tuple[int, ...], index: Callable[[torch.Tensor, int], torch.Tensor]) -> Edit:
-    def edit(g: Dict[str, Any]) -> None:
-        buf = torch.randn(shape)
-        g["dq"], g["dk"], g["dv"] = index(buf, 0)[:5], index(buf, 1), index(buf, 2)
-
-    return edit
-
-
-def _heads_of_one_buffer(g: Dict[str, Any]) -> None:
-    buf = torch.randn(10, 8, 2)  # [dq heads | dk heads | dv heads], as a fused QKV
-    g["dq"], g["dk"], g["dv"] = buf[:5, :4], buf[:, 4:6], buf[:, 6:8]
-
-
-def _dkv(layout: str) -> Edit:
-    def edit(g: Dict[str, Any]) -> None:
-        if layout == "t2hd":
-            buf = torch.randn(10, 2, 2, 2)
-            g["dk"], g["dv"] = buf[:, 0], buf[:, 1]
-        elif layout == "th2d":
-            buf = torch.randn(10, 2, 2, 2)
-            g["dk"], g["dv"] = buf[:, :, 0], buf[:, :, 1]
-        elif layout == "transposed":
-            g["dk"], g["dv"] = (torch.randn(10, 2, 2).transpose(1, 2) for _ in range(2))
-        else:  # heads-major storage: rows interleave without overlapping
-            g["dk"], g["dv"] = (torch.randn(2, 10, 2).transpose(0, 1) for _ in range(2))
-
-    return edit
+def _views(shape: Tuple[int, ...], pick: Callable[[torch.Tensor], Dict[str, Any]]) -> Edit:
+    """Gradients picked from one new buffer of ``shape`` (the others stay separate)."""
+    return lambda g: g.update(pick(torch.randn(shape)))
 
 
 class _Plain(torch.Tensor):
     """A subclass that behaves as a tensor (as Megatron's and others' wrappers do)."""
 
 
-NO_GRAD, INFERENCE = torch.no_grad, torch.inference_mode
+NONE, NO_GRAD, INFERENCE = contextlib.nullcontext, torch.no_grad, torch.inference_mode
 #: name -> (edit of the gradients, the context to call in)
 ACCEPTED = {
-    "t2hd": (_dkv("t2hd"), contextlib.nullcontext),
-    "th2d": (_dkv("th2d"), contextlib.nullcontext),
-    "transposed": (_dkv("transposed"), contextlib.nullcontext),
-    "heads_major": (_dkv("heads_major"), contextlib.nullcontext),
-    "t3hd": (_packed((10, 3, 2, 2), lambda b, i: b[:, i]), contextlib.nullcontext),
-    "th3d": (_packed((10, 2, 3, 2), lambda b, i: b[:, :, i]), contextlib.nullcontext),
-    "heads_of_one_buffer": (_heads_of_one_buffer, contextlib.nullcontext),
-    "expanded_heads": (_expanded_heads, contextlib.nullcontext),
-    "subclass": (_set(dk=lambda g: g["dk"].as_subclass(_Plain)), contextlib.nullcontext),
+    "t2hd": (_views((10, 2, 2, 2), lambda b: dict(dk=b[:, 0], dv=b[:, 1])), NONE),
+    "t2hd_long": (_views((5000, 2, 2, 2), lambda b: dict(dk=b[:, 0], dv=b[:, 1])), NONE),
+    "th2d": (_views((10, 2, 2, 2), lambda b: dict(dk=b[:, :, 0], dv=b[:, :, 1])), NONE),
+    "t3hd": (_views((10, 3, 2, 2), lambda b: dict(dq=b[:5, 0], dk=b[:, 1], dv=b[:, 2])), NONE),
+    "th3d": (_views((10, 2, 3, 2), lambda b: dict(dq=b[:5, :, 0], dk=b[:, :, 1],
+                                                   dv=b[:, :, 2])), NONE),
+    "heads_of_one_buffer": (_views((10, 8, 2), lambda b: dict(dq=b[:5, :4], dk=b[:, 4:6],
+                                                              dv=b[:, 6:])), NONE),
+    "adjacent": (_views((20, 2, 2), lambda b: dict(dk=b[:10], dv=b[10:].transpose(1, 2))), NONE),
+    "transposed": (_set(dk=torch.randn(10, 2, 2).transpose(1, 2)), NONE),
+    "heads_major": (_set(dv=torch.randn(2, 10, 2).transpose(0, 1)), NONE),  # rows interleave
+    "expanded_heads": (_set(dk=torch.randn(10, 1, 2).expand(10, 2, 2),
+                            dq=torch.randn(5, 4, 1).expand(5, 4, 2)), NONE),
+    "subclass": (_set(dk=lambda g: g["dk"].as_subclass(_Plain)), NONE),
     "parameter_no_grad": (_set(dv=lambda g: torch.nn.Parameter(g["dv"])), NO_GRAD),
     "leaf_no_grad": (_set(dq=lambda g: g["dq"].requires_grad_()), NO_GRAD),
     "nonleaf_no_grad": (_set(dk=lambda g: g["dk"].requires_grad_() * 1), NO_GRAD),
     "inference": (_set(dk=_inference), INFERENCE),
-    "fp8": (_set(dk=lambda g: FakeFloat8(torch.randint(1, 255, (10, 2, 2), dtype=torch.uint8))),
-            contextlib.nullcontext),
+    "fp8": (_set(dk=FakeFloat8(torch.randint(1, 255, (10, 2, 2), dtype=torch.uint8))), NONE),
 }  # fmt: skip
 
 
@@ -410,7 +413,8 @@ def test_zero_dead_rows_zeroes_what_torch_can_write(case: str) -> None:
     edit(g)
     want = {name: _plain(t).clone(memory_format=torch.contiguous_format) for name, t in g.items()}
     zero_dead_rows(*want.values(), **OFFS)
-    with context():
+    with context(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. torch's "masked_fill_ on expanded tensors"
         zero_dead_rows(*g.values(), **OFFS)
     for name, t in g.items():
         assert torch.equal(bits(_plain(t)), bits(want[name])), name

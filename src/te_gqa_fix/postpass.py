@@ -173,11 +173,22 @@ def dead_row_masks(
 
     Offsets follow TE: ``cu_seqlens_*`` are cumulative valid lengths, ``*_padded`` the
     start of each sequence in the buffer (``None``: the valid offsets, as TE does).
-    Sync-free; the masks live on the offsets' device. Malformed mask arguments raise
-    ``ValueError`` naming the argument (``'arbitrary'``: keep every valid key of a
-    sequence with queries). Impossible offsets give masks with nothing dead and are
-    reported as described in :mod:`te_gqa_fix.offset_errors` (CPU: ``OffsetsError``, a
-    ``ValueError``, at once; CUDA: at the next post-pass call).
+    Sync-free; the masks live on the offsets' device (``'arbitrary'``: keep every valid
+    key of a sequence with queries).
+
+    Args:
+        cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded: TE's int32
+            offsets. rows_q (None: no dQ mask), rows_kv: ints from 0 to 2**31 - 1.
+        attn_mask_type, window_size, bottom_right_diagonal: TE's mask arguments.
+
+    Returns:
+        A :class:`DeadRows`.
+
+    Raises:
+        ValueError: malformed arguments, naming the argument (the checks and messages of
+            :func:`zero_dead_rows`). Impossible offsets give masks with nothing dead and
+            are reported as described in :mod:`te_gqa_fix.offset_errors` (CPU:
+            ``OffsetsError``, a ``ValueError``, at once; CUDA: at the next post-pass call).
     """
     # The checks of zero_dead_rows, in its order: the same input gets the same error.
     span = key_span(attn_mask_type, window_size, bottom_right_diagonal, strict=True)
@@ -333,16 +344,19 @@ def zero_dead_rows(
     ``TE_GQA_FIX_VALIDATE=on``.
 
     Args:
-        dq: ``[Tq, Hq, D]`` or None; dk, dv: ``[Tkv, Hkv, D]`` (views of one packed buffer
-            are fine).
+        dq: ``[Tq, Hq, D]`` or None; dk, dv: ``[Tkv, Hkv, D]``. Each a torch.Tensor whose
+            rows can be written in place: plain, ``nn.Parameter``, a subclass without its
+            own ``__torch_dispatch__``, or a TE FP8 tensor without a live cached transpose.
+            Disjoint views of one packed buffer are fine; views that overlap are not.
         cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded: TE's int32
             offsets (padded None: the valid ones).
         attn_mask_type, window_size, bottom_right_diagonal: TE's mask arguments.
         impl: ``auto``/``triton`` (the kernel where it applies) or ``torch``.
 
     Raises:
-        ValueError: bad metadata or mask arguments, naming the argument, before anything is
-            written. Impossible offset values make the call zero nothing and raise
+        ValueError: bad metadata or mask arguments, gradients that share memory, require
+            grad (grad mode on) or are inference tensors (outside inference mode), naming
+            the argument, before anything is written. Impossible offset values make the call zero nothing and raise
             ``OffsetsError`` (a ValueError): at once on CPU or with validation on, else at
             the next post-pass call on that device (see :mod:`te_gqa_fix.offset_errors`).
     """

@@ -225,7 +225,7 @@ def check_in_place(name: str, t: object, data: torch.Tensor) -> None:
     ``torch.no_grad()`` torch allows the write, and so does this check. An inference tensor
     can be written only inside ``torch.inference_mode()``.
     """
-    if torch.is_grad_enabled() and (getattr(t, "requires_grad", False) or data.requires_grad):
+    if torch.is_grad_enabled() and getattr(t, "requires_grad", False):
         raise ValueError(
             f"{name}: expected a gradient that does not require grad, got one that requires "
             "grad (torch forbids zeroing it in place while grad mode is on); pass .detach() "
