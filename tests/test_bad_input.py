@@ -7,18 +7,21 @@ runs under the Triton interpreter in tests/test_triton_postpass.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import warnings
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 import torch
+from torch.utils._pytree import tree_map
 
 import te_gqa_fix
 from fakes.oracle import assert_rows, bits, expected_keep, make_ragged
-from fakes.te_outputs import FakeTE, call_arguments
-from te_gqa_fix import launch, offset_errors, postpass, zero_dead_rows
+from fakes.te_outputs import FakeFloat8, FakeTE, call_arguments
+from te_gqa_fix import launch, offset_errors, postpass, validation, zero_dead_rows
 from te_gqa_fix.cli import main
 from te_gqa_fix.cli.plan import PlanInput, build_plan, plan_from_json
 from te_gqa_fix.offset_errors import OffsetsError
@@ -106,7 +109,10 @@ def test_plan_from_json_keeps_real_booleans() -> None:
     assert plan_from_json(text).bottom_right_diagonal is True
 
 
-# ------------------------------------------------------------- 2. heads that do not divide
+# ------------------------------------------------------------- the bad-input tables
+# One table per public entry point: the bad input, then the exception and the start of its
+# message (which names the argument). zero_dead_rows must also write nothing before it
+# raises, and a good call right after must go through (nothing stale left recorded).
 
 
 def _grads(rows_q: int = 5, rows_kv: int = 10, h_q: int = 4, h_kv: int = 2, d: int = 2):
@@ -124,102 +130,330 @@ OFFS = dict(
     cu_seqlens_q_padded=None,
     cu_seqlens_kv_padded=_t([1, 5, 7, 9]),
 )
+META = torch.device("meta")
+_OFFSET_NAMES = tuple(OFFS)
+Edit = Callable[[Dict[str, Any]], Any]
 
 
-def _unchanged(before: List[torch.Tensor], after: List[torch.Tensor]) -> None:
-    for b, a in zip(before, after):
-        assert torch.equal(bits(a), bits(b)), "bad input changed a gradient"
+def _set(**values: Any) -> Edit:
+    """An edit of the call's arguments; a callable value is called with them first."""
+    return lambda a: a.update({k: v(a) if callable(v) else v for k, v in values.items()})
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton", "auto"])
-def test_heads_that_do_not_divide_raise_in_the_public_post_pass(impl: str) -> None:
-    # Before: accepted (only the wrapper passed the head counts to the check).
-    dq, dk, dv = _grads(h_q=3, h_kv=2)
-    before = [t.clone() for t in (dq, dk, dv)]
-    with pytest.raises(ValueError, match=r"^dk: expected a number of KV heads that divides"):
-        zero_dead_rows(dq, dk, dv, **OFFS, impl=impl)  # type: ignore[arg-type]
-    _unchanged(before, [dq, dk, dv])
+def _offsets(q: Any, kv: Any, pad_q: Any = None, pad_kv: Any = None) -> Edit:
+    return _set(cu_seqlens_q=q, cu_seqlens_kv=kv, cu_seqlens_q_padded=pad_q,
+                cu_seqlens_kv_padded=pad_kv)  # fmt: skip
 
 
-def test_dk_dv_heads_must_agree() -> None:
-    dq, dk, _ = _grads()
-    dv = torch.zeros(10, 1, 2)
-    with pytest.raises(ValueError, match=r"^dv: expected the same number of heads as dk"):
-        zero_dead_rows(dq, dk, dv, **OFFS)  # type: ignore[arg-type]
+class _Dispatching(torch.Tensor):
+    """A wrapper subclass (as TE's Float8Tensor is): its data lives elsewhere."""
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor) -> _Dispatching:
+        return torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype)  # type: ignore[attr-defined]
+
+    def __init__(self, elem: torch.Tensor) -> None:
+        self.elem = elem
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        unwrap = lambda x: x.elem if isinstance(x, cls) else x  # noqa: E731
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
 
 
-# ------------------------------------------------------------- 3. impossible offsets
+def _inference(a: Dict[str, Any]) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.randn(a["dv"].shape)
 
 
-BAD_OFFSETS = {
-    # name: (overrides, argument named)
-    "negative_kv": (dict(cu_seqlens_kv=_t([0, -3, 5, 6])), "cu_seqlens_kv"),
-    "negative_first": (dict(cu_seqlens_kv_padded=_t([-1, 5, 7, 9])), "cu_seqlens_kv_padded"),
-    "decreasing_q": (dict(cu_seqlens_q=_t([0, 2, 1, 5])), "cu_seqlens_q"),
-    "past_buffer_padded": (dict(cu_seqlens_kv_padded=_t([1, 5, 7, 12])), "cu_seqlens_kv_padded"),
-    "padded_shorter": (dict(cu_seqlens_kv=_t([0, 3, 7, 8])), "cu_seqlens_kv_padded"),
-    "one_row_short": (dict(cu_seqlens_kv=_t([0, 3, 6, 7])), "cu_seqlens_kv_padded"),
-    "valid_past_buffer": (dict(cu_seqlens_q=_t([0, 2, 2, 6])), "cu_seqlens_q"),
-}
+def _overlapping_heads(a: Dict[str, Any]) -> None:
+    buf = torch.randn(10, 3, 2)
+    a["dk"], a["dv"] = buf[:, 1:3], buf[:, 0:2]  # dv first in memory
 
 
-@pytest.mark.parametrize("case", sorted(BAD_OFFSETS))
-def test_impossible_offsets_raise_and_zero_nothing_on_cpu(case: str) -> None:
-    # Before: accepted without TE_GQA_FIX_VALIDATE=1; cu_seqlens_kv=[0,-3,5,6] zeroed both
-    # valid dQ rows of sequence 0.
-    overrides, name = BAD_OFFSETS[case]
-    dq, dk, dv = _grads()
-    before = [t.clone() for t in (dq, dk, dv)]
-    with pytest.raises(OffsetsError, match=rf"^[a-z_, ]*\b{name}\b[a-z_, ]*: impossible offsets"):
-        zero_dead_rows(dq, dk, dv, **{**OFFS, **overrides}, impl="torch")  # type: ignore[arg-type]
-    _unchanged(before, [dq, dk, dv])
-    # Reported once: the next good call goes through.
-    zero_dead_rows(dq, dk, dv, **OFFS, impl="torch")  # type: ignore[arg-type]
+def _dq_over_dk(a: Dict[str, Any]) -> None:
+    buf = torch.randn(10, 6, 2)
+    a["dq"], a["dk"], a["dv"] = buf[:5, 0:4], buf[:, 3:5], torch.randn(10, 2, 2)
 
 
-def test_the_issue_example_keeps_the_valid_dq_rows() -> None:
-    dq, dk, dv = _grads()
-    keep = dq[:2].clone()
-    with pytest.raises(OffsetsError, match="cu_seqlens_kv"):
-        zero_dead_rows(dq, dk, dv, **{**OFFS, "cu_seqlens_kv": _t([0, -3, 5, 6])})  # type: ignore[arg-type]
-    assert torch.equal(dq[:2], keep)
+_BASE = torch.randn(120)
+_RANGE = "expected a non-negative int, at most 2**31 - 1 (TE's int32 offsets)"
+#: Bad input shared by zero_dead_rows and dead_row_masks (the same gate: the same error).
+SHARED = {
+    "kv_longer": (_offsets(_t([0, 3]), _t([0, 3, 6])), ValueError,
+                  "cu_seqlens_kv: expected 2 offsets (batch_size + 1, as cu_seqlens_q), got 3"),
+    "kv_shorter": (_offsets(_t([0, 3, 6]), _t([0, 3])), ValueError,
+                   "cu_seqlens_kv: expected 3 offsets (batch_size + 1, as cu_seqlens_q), got 2"),
+    "padded_shorter": (_offsets(_t([0, 2, 5]), _t([0, 3, 6]), None, _t([0, 3])), ValueError,
+                       "cu_seqlens_kv_padded: expected 3 offsets (batch_size + 1, as "
+                       "cu_seqlens_q), got 2"),
+    "float": (_offsets(torch.tensor([0, 2.5, 5]), _t([0, 3, 6])), ValueError,
+              "cu_seqlens_q: expected dtype torch.int32 (as TE requires), got torch.float32"),
+    "int64": (_offsets(_t([0, 2, 5]), torch.tensor([0, 3, 6])), ValueError,
+              "cu_seqlens_kv: expected dtype torch.int32 (as TE requires), got torch.int64"),
+    "2-D": (_offsets(_t([[0, 2, 5]]), _t([0, 3, 6])), ValueError,
+            "cu_seqlens_q: expected a 1-D tensor of batch_size + 1 offsets, got shape (1, 3)"),
+    "meta": (_offsets(_t([0, 2, 5]), _t([0, 3, 6]), torch.empty(3, dtype=I32, device=META)),
+             ValueError, "cu_seqlens_q_padded: expected a tensor with data, got a meta tensor"),
+    "empty": (_offsets(_t([]), _t([])), ValueError,
+              "cu_seqlens_q: expected at least one offset (batch_size + 1 >= 1), got none"),
+    "list": (_set(cu_seqlens_q=[0, 2, 2, 5]), ValueError,
+             "cu_seqlens_q: expected a 1-D torch.int32 tensor of batch_size + 1 offsets, got list"),
+    "kv_none": (_set(cu_seqlens_kv=None), ValueError,
+                "cu_seqlens_kv: expected a 1-D torch.int32 tensor of batch_size + 1 offsets, "
+                "got NoneType"),
+    # Impossible offset values (judged on the device, raised at once on CPU).
+    "negative_kv": (_set(cu_seqlens_kv=_t([0, -3, 5, 6])), OffsetsError,
+                    "cu_seqlens_kv, cu_seqlens_kv_padded: imp"),
+    "negative_first": (_set(cu_seqlens_kv_padded=_t([-1, 5, 7, 9])), OffsetsError,
+                       "cu_seqlens_kv_padded: imp"),
+    "decreasing_q": (_set(cu_seqlens_q=_t([0, 2, 1, 5])), OffsetsError, "cu_seqlens_q: imp"),
+    "past_buffer_padded": (_set(cu_seqlens_kv_padded=_t([1, 5, 7, 12])), OffsetsError,
+                           "cu_seqlens_kv_padded: imp"),
+    "padded_shorter_values": (_set(cu_seqlens_kv=_t([0, 3, 7, 8])), OffsetsError,
+                              "cu_seqlens_kv, cu_seqlens_kv_padded: imp"),
+    "one_row_short": (_set(cu_seqlens_kv=_t([0, 3, 6, 7])), OffsetsError,
+                      "cu_seqlens_kv, cu_seqlens_kv_padded: imp"),
+    "valid_past_buffer": (_set(cu_seqlens_q=_t([0, 2, 2, 6])), OffsetsError, "cu_seqlens_q: imp"),
+    # Mask arguments.
+    "mask_typo": (_set(attn_mask_type="padding_casual"), ValueError, "attn_mask_type: expected"),
+    "mask_none": (_set(attn_mask_type=None), ValueError, "attn_mask_type: expected"),
+    "window_below": (_set(window_size=(-5, 0)), ValueError, "window_size: expected"),
+    "window_three": (_set(window_size=(1, 2, 3)), ValueError, "window_size: expected"),
+    "window_float": (_set(window_size=(1.5, 0)), ValueError, "window_size: expected"),
+    "window_float_int": (_set(window_size=(2.0, 0)), ValueError, "window_size: expected"),
+    "window_bool_right": (_set(window_size=(2, True)), ValueError, "window_size: expected"),
+    "window_bool_left": (_set(window_size=(True, 2)), ValueError, "window_size: expected"),
+    "window_2**63": (_set(window_size=(2**63, 0)), ValueError, "window_size: expected"),
+    "window_2**31": (_set(window_size=(0, 2**31)), ValueError, "window_size: expected"),
+    "brd_string": (_set(bottom_right_diagonal="false"), ValueError, "bottom_right_diagonal: exp"),
+    "brd_int": (_set(bottom_right_diagonal=1), ValueError, "bottom_right_diagonal: expected"),
+}  # fmt: skip
+
+ZERO_DEAD_ROWS = {
+    **SHARED,
+    "impl": (_set(impl="gpu"), ValueError, "impl: expected 'auto', 'torch' or 'triton', got 'gpu'"),
+    "heads_not_dividing": (_set(dq=torch.randn(5, 3, 2), impl="triton"), ValueError,
+                           "dk: expected a number of KV heads that divides"),
+    "dq_not_thd": (_set(dq=torch.zeros(2, 5, 2, 2)), ValueError, "dq: expected a THD tensor of "
+                   "shape [tokens, heads, head_dim], got (2, 5, 2, 2)"),
+    "dk_dv_rows": (_set(dv=torch.zeros(9, 2, 2)), ValueError,
+                   "dv: expected the same number of token rows as dk (10), got 9"),
+    "offsets_device": (_set(**{n: torch.zeros(r, h, 2, device=META)
+                               for n, r, h in (("dq", 5, 4), ("dk", 10, 2), ("dv", 10, 2))}),
+                       ValueError, "cu_seqlens_q: expected it on the attention tensors' device "
+                       "meta, got cpu"),
+    "dk_dv_heads": (_set(dv=torch.zeros(10, 1, 2)), ValueError,
+                    "dv: expected the same number of heads as dk"),
+    "dq_meta": (_set(dq=torch.empty(5, 4, 2, device=META)), ValueError,
+                "dq: expected it on dk's device cpu, got meta"),
+    "dv_meta": (_set(dv=torch.empty(10, 2, 2, device=META)), ValueError,
+                "dv: expected it on dk's device cpu, got meta"),
+    "numpy_dk": (_set(dk=lambda a: a["dk"].numpy()), ValueError,
+                 "dk: expected a torch.Tensor of shape [tokens, heads, head_dim], got ndarray"),
+    "numpy_dq": (_set(dq=lambda a: a["dq"].numpy()), ValueError, "dq: expected a torch.Tensor"),
+    "rows_expanded": (_set(dk=torch.randn(1, 2, 2).expand(10, 2, 2)), ValueError,
+                      "dk: expected token rows that do not share memory"),
+    "rows_overlap": (_set(dv=torch.randn(40).as_strided((10, 2, 2), (2, 2, 1))), ValueError,
+                     "dv: expected token rows that do not share memory"),
+    "dv_is_dk": (_set(dv=lambda a: a["dk"]), ValueError, "dv: expected memory separate from dk's"),
+    "dk_dv_overlap": (_overlapping_heads, ValueError, "dv: expected memory separate from dk's"),
+    "dq_dk_overlap": (_dq_over_dk, ValueError, "dk: expected memory separate from dq's"),
+    # Overlaps only an exact range test, the stride check or the dtype check catches.
+    "dv_shares_one_element": (_set(dk=_BASE[:40].view(10, 2, 2),
+                                   dv=_BASE.as_strided((10, 2, 2), (4, 1, 2), 39)),
+                              ValueError, "dv: expected memory separate from dk's"),
+    "dv_other_row_stride": (_set(dk=_BASE.as_strided((10, 2, 2), (8, 2, 1), 0),
+                                 dv=_BASE.as_strided((10, 2, 2), (12, 2, 1), 4)),
+                            ValueError, "dv: expected memory separate from dk's"),
+    "dv_other_dtype": (_set(dk=_BASE.as_strided((10, 2, 2), (8, 2, 1), 0),
+                            dv=_BASE.view(torch.float16).as_strided((10, 2, 2), (8, 2, 1), 8)),
+                       ValueError, "dv: expected memory separate from dk's"),
+    "dv_requires_grad": (_set(dv=lambda a: a["dv"].requires_grad_()), ValueError,
+                         "dv: expected a gradient that does not require grad"),
+    "dv_parameter": (_set(dv=lambda a: torch.nn.Parameter(a["dv"])), ValueError,
+                     "dv: expected a gradient that does not require grad"),
+    "dv_view_of_leaf": (_set(dv=lambda a: torch.randn(10, 4, 2, requires_grad=True)[:, :2]),
+                        ValueError, "dv: expected a gradient that does not require grad"),
+    "dv_inference": (_set(dv=_inference), ValueError,
+                     "dv: expected a normal tensor, got an inference tensor outside inference"),
+    "dk_fp8_live_transpose": (
+        _set(dk=lambda a: FakeFloat8(torch.zeros(10, 2, 2, dtype=torch.uint8), torch.zeros(1))),
+        ValueError, "dk: expected a torch.Tensor whose rows can be zeroed in place"),
+    "dk_fp8_not_bytes": (_set(dk=lambda a: FakeFloat8(a["dk"])), ValueError,
+                         "dk: expected a torch.Tensor whose rows can be zeroed in place"),
+    "dk_dispatching_subclass": (_set(dk=lambda a: _Dispatching(a["dk"])), ValueError,
+                                "dk: expected a torch.Tensor whose rows can be zeroed in place"),
+    "dk_sparse_subclass": (_set(dk=lambda a: torch.Tensor._make_subclass(_Plain, a["dk"].to_sparse())), ValueError,
+                           "dk: expected a torch.Tensor whose rows can be zeroed in place"),
+    "dk_sparse": (_set(dk=lambda a: a["dk"].to_sparse()), ValueError,
+                  "dk: expected a torch.Tensor whose rows can be zeroed in place"),
+}  # fmt: skip
 
 
-#: What TE_GQA_FIX_VALIDATE=1 says about each of BAD_OFFSETS.
+def _good_call() -> Dict[str, Any]:
+    return dict(zip(("dq", "dk", "dv"), _grads()), **OFFS)
+
+
+def _snapshot(a: Dict[str, Any]) -> List[torch.Tensor]:
+    """The bits of every gradient's memory (subclasses and FP8 through their data)."""
+    out = []
+    for name in ("dq", "dk", "dv"):
+        t = a[name]
+        t = getattr(t, "_data", t)
+        if isinstance(t, torch.Tensor) and t.layout is torch.strided and t.device != META:
+            out.append(bits(t.detach().as_subclass(torch.Tensor)).clone())
+    return out
+
+
+@pytest.mark.parametrize("case", list(ZERO_DEAD_ROWS))
+def test_zero_dead_rows_bad_input(case: str) -> None:
+    edit, error, message = ZERO_DEAD_ROWS[case]
+    a = _good_call()
+    edit(a)
+    before = _snapshot(a)
+    with pytest.raises(error) as info:
+        zero_dead_rows(**a)
+    assert str(info.value).startswith(message), str(info.value)
+    after = _snapshot(a)
+    assert all(torch.equal(x, y) for x, y in zip(before, after)), "bad input changed a gradient"
+    zero_dead_rows(**_good_call())  # nothing stale recorded
+
+
+DEAD_ROW_MASKS = {
+    **{f"{name}={rows!r}": (_set(**{name: rows}), ValueError, f"{name}: {_RANGE}, got {rows!r}")
+       for name in ("rows_q", "rows_kv") for rows in (-1, 2.5, True, "10", 2**31, 10**13)},
+    "rows_kv=None": (_set(rows_kv=None), ValueError, f"rows_kv: {_RANGE}, got None"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", [*DEAD_ROW_MASKS, *SHARED])
+def test_dead_row_masks_bad_input(case: str) -> None:
+    """Its own cases, and the shared ones with exactly zero_dead_rows' error."""
+    edit, error, message = DEAD_ROW_MASKS.get(case) or SHARED[case]
+    a = dict(OFFS, rows_q=5, rows_kv=10)
+    edit(a)
+    with pytest.raises(error) as info:
+        dead_row_masks(**a)
+    assert str(info.value).startswith(message), str(info.value)
+    if case in SHARED:
+        call = _good_call()
+        edit(call)
+        with pytest.raises(error) as again:
+            zero_dead_rows(**call)
+        assert str(again.value) == str(info.value)
+
+
+def test_rows_up_to_the_int32_limit_are_accepted() -> None:
+    assert validation.check_rows("rows_kv", 2**31 - 1) == 2**31 - 1  # masks that big: 2 GiB
+
+
+@pytest.mark.parametrize("device", [5, 1.5, "cuda:x", "gpu", b"cpu"])
+def test_check_offset_errors_bad_input(device: Any) -> None:
+    with pytest.raises(ValueError, match=r"^device: expected None \(every device\), a torch"):
+        te_gqa_fix.check_offset_errors(device)
+
+
+def test_check_offset_errors_on_cuda_without_a_cuda_call_is_quiet() -> None:
+    # On a CPU-only torch nothing can have been recorded on CUDA: a quiet return, while a
+    # CPU record still raises for "cpu" and for every device.
+    offset_errors.kernel_flag(torch.device("cpu"))[0] = 1
+    for device in ("cuda", torch.device("cuda"), "meta"):
+        te_gqa_fix.check_offset_errors(device, synchronize=True)
+    with pytest.raises(OffsetsError, match=r"^cu_seqlens_q: "):
+        te_gqa_fix.check_offset_errors()
+
+
+# ------------------------------------------------------------- what the public API zeroes
+
+
+def _views(shape: Tuple[int, ...], pick: Callable[[torch.Tensor], Dict[str, Any]]) -> Edit:
+    """Gradients picked from one new buffer of ``shape`` (the others stay separate)."""
+    return lambda g: g.update(pick(torch.randn(shape)))
+
+
+class _Plain(torch.Tensor):
+    """A subclass that behaves as a tensor (as Megatron's and others' wrappers do)."""
+
+
+NONE, NO_GRAD, INFERENCE = contextlib.nullcontext, torch.no_grad, torch.inference_mode
+#: name -> (edit of the gradients, the context to call in)
+ACCEPTED = {
+    "t2hd": (_views((10, 2, 2, 2), lambda b: dict(dk=b[:, 0], dv=b[:, 1])), NONE),
+    "t2hd_long": (_views((5000, 2, 2, 2), lambda b: dict(dk=b[:, 0], dv=b[:, 1])), NONE),
+    "th2d": (_views((10, 2, 2, 2), lambda b: dict(dk=b[:, :, 0], dv=b[:, :, 1])), NONE),
+    "t3hd": (_views((10, 3, 2, 2), lambda b: dict(dq=b[:5, 0], dk=b[:, 1], dv=b[:, 2])), NONE),
+    "th3d": (_views((10, 2, 3, 2), lambda b: dict(dq=b[:5, :, 0], dk=b[:, :, 1],
+                                                   dv=b[:, :, 2])), NONE),
+    "heads_of_one_buffer": (_views((10, 8, 2), lambda b: dict(dq=b[:5, :4], dk=b[:, 4:6],
+                                                              dv=b[:, 6:])), NONE),
+    "adjacent": (_views((20, 2, 2), lambda b: dict(dk=b[:10], dv=b[10:].transpose(1, 2))), NONE),
+    "transposed": (_set(dk=torch.randn(10, 2, 2).transpose(1, 2)), NONE),
+    "heads_major": (_set(dv=torch.randn(2, 10, 2).transpose(0, 1)), NONE),  # rows interleave
+    "expanded_heads": (_set(dk=torch.randn(10, 1, 2).expand(10, 2, 2),
+                            dq=torch.randn(5, 4, 1).expand(5, 4, 2)), NONE),
+    "subclass": (_set(dk=lambda g: g["dk"].as_subclass(_Plain)), NONE),
+    "parameter_no_grad": (_set(dv=lambda g: torch.nn.Parameter(g["dv"])), NO_GRAD),
+    "leaf_no_grad": (_set(dq=lambda g: g["dq"].requires_grad_()), NO_GRAD),
+    "nonleaf_no_grad": (_set(dk=lambda g: g["dk"].requires_grad_() * 1), NO_GRAD),
+    "inference": (_set(dk=_inference), INFERENCE),
+    "fp8": (_set(dk=FakeFloat8(torch.randint(1, 255, (10, 2, 2), dtype=torch.uint8))), NONE),
+}  # fmt: skip
+
+
+def _plain(t: Any) -> torch.Tensor:
+    return getattr(t, "_data", t).detach().as_subclass(torch.Tensor)
+
+
+@pytest.mark.parametrize("case", list(ACCEPTED))
+def test_zero_dead_rows_zeroes_what_torch_can_write(case: str) -> None:
+    """Each accepted form gets exactly the rows plain contiguous copies get."""
+    edit, context = ACCEPTED[case]
+    g = dict(zip(("dq", "dk", "dv"), _grads()))
+    edit(g)
+    want = {name: _plain(t).clone(memory_format=torch.contiguous_format) for name, t in g.items()}
+    zero_dead_rows(*want.values(), **OFFS)
+    with context(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. torch's "masked_fill_ on expanded tensors"
+        zero_dead_rows(*g.values(), **OFFS)
+    for name, t in g.items():
+        assert torch.equal(bits(_plain(t)), bits(want[name])), name
+    assert bool((want["dk"][0] == 0).all()) and bool((want["dk"][1] != 0).any())
+
+
+# ------------------------------------------------------------- impossible offsets, later
+
+
+#: What TE_GQA_FIX_VALIDATE=1 says about each impossible-offsets case of SHARED.
 VALIDATE_MESSAGES = {
     "negative_kv": "cu_seqlens_kv: expected non-decreasing offsets, got 0 then -3 at index 1",
     "negative_first": "cu_seqlens_kv_padded: expected offsets >= 0, got -1 first",
     "decreasing_q": "cu_seqlens_q: expected non-decreasing offsets, got 2 then 1 at index 2",
     "past_buffer_padded": "cu_seqlens_kv_padded: last offset 12 is past the 10 kv rows of the "
     "buffer",
-    "padded_shorter": "cu_seqlens_kv: sequence 1 has 4 tokens but cu_seqlens_kv_padded gives it "
-    "only 2 rows",
+    "padded_shorter_values": "cu_seqlens_kv: sequence 1 has 4 tokens but cu_seqlens_kv_padded "
+    "gives it only 2 rows",
     "one_row_short": "cu_seqlens_kv: sequence 1 has 3 tokens but cu_seqlens_kv_padded gives it "
     "only 2 rows",
     "valid_past_buffer": "cu_seqlens_q: last offset 6 is past the 5 q rows of the buffer",
 }
 
 
-@pytest.mark.parametrize("case", sorted(BAD_OFFSETS))
+@pytest.mark.parametrize("case", sorted(VALIDATE_MESSAGES))
 def test_validate_keeps_its_immediate_check(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # The kernel judges offsets on the device (on CUDA: raised at the next call);
     # TE_GQA_FIX_VALIDATE=1 reads them first and raises in the call, before the launch.
     launches: List[int] = []
     monkeypatch.setattr(postpass, "kernel_plan", lambda *args: object())  # as on CUDA
     monkeypatch.setattr(launch, "launch", lambda *args: launches.append(1))
-    dq, dk, dv = _grads()
-    bad = {**OFFS, **BAD_OFFSETS[case][0]}
-    zero_dead_rows(dq, dk, dv, **bad)  # type: ignore[arg-type]
+    bad = _good_call()
+    SHARED[case][0](bad)
+    zero_dead_rows(**bad)
     assert launches == [1]
     monkeypatch.setenv("TE_GQA_FIX_VALIDATE", "1")
     with pytest.raises(OffsetsError) as info:
-        zero_dead_rows(dq, dk, dv, **bad)  # type: ignore[arg-type]
+        zero_dead_rows(**bad)
     assert str(info.value) == VALIDATE_MESSAGES[case] and launches == [1]
-
-
-def test_dead_row_masks_refuse_impossible_offsets() -> None:
-    with pytest.raises(OffsetsError, match="cu_seqlens_q"):
-        dead_row_masks(_t([0, 3, 1]), _t([0, 2, 4]), rows_q=3, rows_kv=4)
 
 
 def test_a_recorded_error_surfaces_at_the_next_call_and_is_cleared() -> None:
@@ -228,14 +462,14 @@ def test_a_recorded_error_surfaces_at_the_next_call_and_is_cleared() -> None:
     # touches anything, and the record is cleared.
     word = offset_errors.kernel_flag(torch.device("cpu"))
     word[0] = offset_errors.ARGUMENT_BITS["cu_seqlens_kv_padded"]
-    dq, dk, dv = _grads()
-    before = [t.clone() for t in (dq, dk, dv)]
+    call = _good_call()
+    before = _snapshot(call)
     with pytest.raises(
         OffsetsError, match=r"^cu_seqlens_kv_padded: impossible offsets in an earlier"
     ):
-        zero_dead_rows(dq, dk, dv, **OFFS, impl="torch")  # type: ignore[arg-type]
-    _unchanged(before, [dq, dk, dv])
-    zero_dead_rows(dq, dk, dv, **OFFS, impl="torch")  # type: ignore[arg-type]
+        zero_dead_rows(**call, impl="torch")
+    assert all(torch.equal(x, y) for x, y in zip(before, _snapshot(call)))
+    zero_dead_rows(**call, impl="torch")
     word[0] = offset_errors.ARGUMENT_BITS["cu_seqlens_q"]
     with pytest.raises(OffsetsError, match=r"^cu_seqlens_q: impossible offsets in a te-gqa-fix"):
         te_gqa_fix.check_offset_errors("cpu")
@@ -262,29 +496,7 @@ def test_the_wrapper_refuses_impossible_offsets_from_te() -> None:
         wrapped(**arguments)
 
 
-# ------------------------------------------------------------- 4. mask arguments
-
-
-@pytest.mark.parametrize(
-    "kwargs, name",
-    [
-        (dict(attn_mask_type="padding_casual"), "attn_mask_type"),
-        (dict(attn_mask_type=None), "attn_mask_type"),
-        (dict(window_size=(-5, 0)), "window_size"),
-        (dict(window_size=(1, 2, 3)), "window_size"),
-        (dict(window_size=(1.5, 0)), "window_size"),
-        (dict(bottom_right_diagonal="false"), "bottom_right_diagonal"),
-    ],
-)
-def test_malformed_mask_arguments_raise_in_the_public_post_pass(
-    kwargs: Dict[str, Any], name: str
-) -> None:
-    # Before: the conservative rows, logged at INFO.
-    dq, dk, dv = _grads()
-    before = [t.clone() for t in (dq, dk, dv)]
-    with pytest.raises(ValueError, match=rf"^{name}: expected"):
-        zero_dead_rows(dq, dk, dv, **OFFS, **kwargs)  # type: ignore[arg-type]
-    _unchanged(before, [dq, dk, dv])
+# ------------------------------------------------------------- mask arguments
 
 
 def test_arbitrary_mask_is_the_explicit_conservative_set() -> None:
@@ -303,51 +515,15 @@ def test_wrapper_keeps_conservative_set_for_unknown_masks_and_warns(
     fake = FakeTE("2.20")
     wrapped = make_wrapper(fake.fn)
     ragged = make_ragged([(2, 3), (0, 2)], gaps_kv=[1, 0])
-    arguments = call_arguments("2.20", ragged, attn_mask_type="padding_casual")
-    with caplog.at_level(logging.DEBUG, logger="te_gqa_fix"):
-        wrapped(**arguments)
-        wrapped(**arguments)
+    for mask, window in (("padding_casual", (-1, -1)), ("padding", (2**40, 0))):
+        arguments = call_arguments("2.20", ragged, attn_mask_type=mask)
+        arguments["window_size"] = window  # past int32: not understood either
+        with caplog.at_level(logging.DEBUG, logger="te_gqa_fix"):
+            wrapped(**arguments)
+            wrapped(**arguments)
     records = [r for r in caplog.records if "not understood" in r.getMessage()]
-    assert len(records) == 1 and records[0].levelno == logging.WARNING
-    assert te_gqa_fix.call_counts()["fixed"] == 2
-
-
-# ------------------------------------------------------------- 5. rows that share memory
-
-
-def test_rows_sharing_memory_raise() -> None:
-    # Before: a stride-0 expand along the token axis had its live rows zeroed.
-    dq, _, _ = _grads()
-    one = torch.randn(1, 2, 2)
-    dk, dv = one.expand(10, 2, 2), torch.randn(10, 2, 2)
-    with pytest.raises(ValueError, match=r"^dk: expected token rows that do not share memory"):
-        zero_dead_rows(dq, dk, dv, **OFFS)  # type: ignore[arg-type]
-    assert not bool((one == 0).any())
-    # Overlapping but not zero stride: rows of 4 elements, 2 apart.
-    base = torch.randn(40)
-    dv = base.as_strided((10, 2, 2), (2, 2, 1))
-    with pytest.raises(ValueError, match=r"^dv: expected token rows"):
-        zero_dead_rows(dq, torch.randn(10, 2, 2), dv, **OFFS)  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize("layout", ["t2hd", "th2d", "transposed", "heads_major"])
-def test_legit_layouts_are_not_mistaken_for_overlap(layout: str) -> None:
-    rows, h, d = 10, 2, 2
-    if layout == "t2hd":
-        buf = torch.randn(rows, 2, h, d)
-        dk, dv = buf[:, 0], buf[:, 1]
-    elif layout == "th2d":
-        buf = torch.randn(rows, h, 2, d)
-        dk, dv = buf[:, :, 0], buf[:, :, 1]
-    elif layout == "transposed":
-        dk = torch.randn(rows, d, h).transpose(1, 2)
-        dv = torch.randn(rows, d, h).transpose(1, 2)
-    else:  # heads-major storage: rows interleave without overlapping
-        dk = torch.randn(h, rows, d).transpose(0, 1)
-        dv = torch.randn(h, rows, d).transpose(0, 1)
-    dq = torch.randn(5, 2 * h, d)
-    zero_dead_rows(dq, dk, dv, **OFFS, impl="torch")  # type: ignore[arg-type]
-    assert bool((dk[0] == 0).all()) and not bool((dk[1] == 0).all())
+    assert len(records) == 2 and records[0].levelno == logging.WARNING
+    assert te_gqa_fix.call_counts()["fixed"] == 4
 
 
 # ------------------------------------------------------------- 6. Triton failure
@@ -409,124 +585,3 @@ def test_build_plan_names_malformed_fields() -> None:
         build_plan(PlanInput((0, 3), (0, 6), bottom_right_diagonal="false"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^rows_kv: expected a number of rows >= 0"):
         build_plan(PlanInput((0, 3), (0, 6), rows_kv=-1))
-
-
-# ------------------------------------------------------------- issue #26: one gate
-# zero_dead_rows and dead_row_masks pass the same checks with the same messages. Before,
-# dead_row_masks checked no offset metadata: with cu_seqlens_q=[0,3], cu_seqlens_kv=[0,3,6]
-# it marked no KV row dead, the reverse raised a bare IndexError, float offsets were
-# truncated, 2-D and meta offsets raised raw torch errors, and rows were not checked;
-# zero_dead_rows took impl="garbage" as "auto". window_size=(2, True) was refused already,
-# but no test said so (a mutant dropping the bool check survived).
-
-META = torch.device("meta")
-#: (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded) -> message
-BAD_METADATA = {
-    "kv_longer": ((_t([0, 3]), _t([0, 3, 6]), None, None),
-                  "cu_seqlens_kv: expected 2 offsets (batch_size + 1, as cu_seqlens_q), got 3"),
-    "kv_shorter": ((_t([0, 3, 6]), _t([0, 3]), None, None),
-                   "cu_seqlens_kv: expected 3 offsets (batch_size + 1, as cu_seqlens_q), got 2"),
-    "padded_shorter": ((_t([0, 2, 5]), _t([0, 3, 6]), None, _t([0, 3])),
-                       "cu_seqlens_kv_padded: expected 3 offsets (batch_size + 1, as "
-                       "cu_seqlens_q), got 2"),
-    "float": ((torch.tensor([0, 2.5, 5]), _t([0, 3, 6]), None, None),
-              "cu_seqlens_q: expected dtype torch.int32 (as TE requires), got torch.float32"),
-    "int64": ((_t([0, 2, 5]), torch.tensor([0, 3, 6]), None, None),
-              "cu_seqlens_kv: expected dtype torch.int32 (as TE requires), got torch.int64"),
-    "2-D": ((_t([[0, 2, 5]]), _t([0, 3, 6]), None, None),
-            "cu_seqlens_q: expected a 1-D tensor of batch_size + 1 offsets, got shape (1, 3)"),
-    "meta": ((_t([0, 2, 5]), _t([0, 3, 6]), torch.empty(3, dtype=I32, device=META), None),
-             "cu_seqlens_q_padded: expected a tensor with data, got a meta tensor"),
-    "empty": ((_t([]), _t([]), None, None),
-              "cu_seqlens_q: expected at least one offset (batch_size + 1 >= 1), got none"),
-    "list": (([0, 2, 5], _t([0, 3, 6]), None, None),
-             "cu_seqlens_q: expected a 1-D torch.int32 tensor of batch_size + 1 offsets, got list"),
-    "kv_none": ((_t([0, 2, 5]), None, None, None),
-                "cu_seqlens_kv: expected a 1-D torch.int32 tensor of batch_size + 1 offsets, "
-                "got NoneType"),
-}  # fmt: skip
-
-
-def _error_of(call: Any) -> Any:
-    try:
-        call()
-    except Exception as exc:  # what each entry point raises, compared below
-        return type(exc), str(exc)
-    return None
-
-
-def _both_entry_points(offsets: tuple, **kwargs: Any) -> List[Any]:
-    """The error each public entry point raises on ``offsets`` (None: none), and a check
-    that zero_dead_rows wrote nothing before raising."""
-    dq, dk, dv = _grads()
-    before = [t.clone() for t in (dq, dk, dv)]
-    errors = [
-        _error_of(lambda: zero_dead_rows(dq, dk, dv, *offsets, **kwargs)),
-        _error_of(lambda: dead_row_masks(*offsets, rows_q=5, rows_kv=10, **kwargs)),
-    ]
-    if errors[0] is not None:
-        _unchanged(before, [dq, dk, dv])
-    return errors
-
-
-@pytest.mark.parametrize("case", sorted(BAD_METADATA))
-def test_bad_offset_metadata_raises_the_same_named_error_everywhere(case: str) -> None:
-    offsets, message = BAD_METADATA[case]
-    assert _both_entry_points(offsets) == [(ValueError, message)] * 2
-
-
-@pytest.mark.parametrize("case", sorted(BAD_OFFSETS))
-def test_impossible_offsets_raise_the_same_error_everywhere(case: str) -> None:
-    overrides, name = BAD_OFFSETS[case]
-    offsets = tuple({**OFFS, **overrides}.values())
-    errors = _both_entry_points(offsets)
-    assert errors[0] == errors[1] and errors[0][0] is OffsetsError and name in errors[0][1]
-
-
-@pytest.mark.parametrize(
-    "kwargs, name",
-    [
-        (dict(window_size=(2, True)), "window_size"),  # mutant K05 survived this
-        (dict(window_size=(True, 2)), "window_size"),
-        (dict(window_size=(2.0, 0)), "window_size"),
-        (dict(attn_mask_type="padding_casual"), "attn_mask_type"),
-        (dict(bottom_right_diagonal=1), "bottom_right_diagonal"),
-    ],
-)
-def test_bad_mask_arguments_raise_the_same_named_error_everywhere(
-    kwargs: Dict[str, Any], name: str
-) -> None:
-    errors = _both_entry_points(tuple(OFFS.values()), **kwargs)
-    assert errors[0] == errors[1] and errors[0][0] is ValueError
-    assert errors[0][1].startswith(f"{name}: expected"), errors[0][1]
-
-
-def test_good_input_passes_both_entry_points_alike() -> None:
-    assert _both_entry_points(tuple(OFFS.values())) == [None, None]
-
-
-@pytest.mark.parametrize("rows", [-1, 2.5, True, "10", None])
-@pytest.mark.parametrize("name", ["rows_q", "rows_kv"])
-def test_dead_row_masks_rows_must_be_non_negative_ints(name: str, rows: Any) -> None:
-    if name == "rows_q" and rows is None:
-        assert dead_row_masks(*OFFS.values(), rows_q=None, rows_kv=10).q is None  # no dQ
-        return
-    kwargs = {"rows_q": 5, "rows_kv": 10, name: rows}
-    with pytest.raises(ValueError, match=rf"^{name}: expected a non-negative int, got {rows!r}$"):
-        dead_row_masks(*OFFS.values(), **kwargs)
-
-
-@pytest.mark.parametrize("name", ["dq", "dv"])
-def test_gradients_on_another_device_raise_naming_it(name: str) -> None:
-    grads = dict(zip(("dq", "dk", "dv"), _grads()))
-    grads[name] = torch.empty(grads[name].shape, device=META)
-    with pytest.raises(ValueError, match=rf"^{name}: expected it on dk's device cpu, got meta$"):
-        zero_dead_rows(*grads.values(), **OFFS)  # type: ignore[arg-type]
-
-
-def test_unknown_impl_raises_before_anything_is_written() -> None:
-    dq, dk, dv = _grads()
-    before = [t.clone() for t in (dq, dk, dv)]
-    with pytest.raises(ValueError, match=r"^impl: expected 'auto', 'torch' or 'triton', got 'gpu'"):
-        zero_dead_rows(dq, dk, dv, **OFFS, impl="gpu")  # type: ignore[arg-type]
-    _unchanged(before, [dq, dk, dv])

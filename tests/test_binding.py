@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import pytest
 import torch
@@ -26,7 +26,6 @@ from fakes.te_outputs import (
     assert_post_pass,
     assert_untouched,
     call_arguments,
-    parameter_names,
     split_call,
 )
 from te_gqa_fix.wrapper import is_wrapper, unwrap, wrapper_for
@@ -322,29 +321,3 @@ def test_wrapper_zeroes_in_place_without_copying_outputs() -> None:
     buf, _ = fake.backend.outputs["dkv"]
     assert out[1]._base is buf and out[2]._base is buf
     assert out[1].data_ptr() == buf[:, 0].data_ptr()
-
-
-def test_binding_check_fails_without_the_post_pass(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The binding checks must be able to fail: drop the post-pass and they report it.
-    from te_gqa_fix import postpass
-
-    monkeypatch.setattr(postpass, "zero_rows_", lambda *a, **k: None)
-    fake = FakeTE("2.20")
-    out = wrapper_for(fake.fn)(**call_arguments("2.20", RAGGED))
-    with pytest.raises(AssertionError, match="must be 0"):
-        _check_fixed(fake, out, "padding_causal", (-1, -1), None)
-
-
-# ---------------------------------------------------------------- the fakes are faithful
-
-
-# The fakes against the installed TE's signature: tests/gpu/test_fake_signatures.py.
-
-
-def test_fake_signatures_differ_where_te_changed() -> None:
-    names: Dict[str, list] = {v: parameter_names(FakeTE(v).fn) for v in VERSIONS}
-    assert "dqkv_dtype" in names["2.8"] and "dqkv_dtype" not in names["2.20"]
-    for added in ("o_format", "do_format", "dqkv_layout", "bottom_right_diagonal", "cuda_graph"):
-        assert added in names["2.20"] and added not in names["2.8"]
-    # The positions moved: a fixed-position reader would read the wrong argument.
-    assert names["2.8"].index("attn_mask_type") != names["2.20"].index("attn_mask_type")

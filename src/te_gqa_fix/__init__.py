@@ -18,6 +18,7 @@ _LAZY: Dict[str, str] = {
     "patched": "patch",
     "uninstall": "patch",
     "zero_dead_rows": "postpass",
+    "dead_row_masks": "postpass",
     "get_te_version": "stack",
     "call_counts": "wrapper",
     "fused_attn_bwd": "patch",
@@ -30,6 +31,7 @@ __all__ = [
     "__version__",
     "call_counts",
     "check_offset_errors",
+    "dead_row_masks",
     "fused_attn_bwd",
     "get_te_version",
     "install",
@@ -45,7 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .cudnn import use_fixed_cudnn
     from .offset_errors import check_offset_errors
     from .patch import fused_attn_bwd, install, is_installed, patched, uninstall
-    from .postpass import zero_dead_rows
+    from .postpass import dead_row_masks, zero_dead_rows
     from .stack import get_te_version
     from .wrapper import call_counts, reset_call_counts
 

@@ -55,8 +55,14 @@ CONSERVATIVE = KeySpan(
 CONSERVATIVE_MASK_TYPES: Tuple[str, ...] = ("arbitrary",)
 
 
+#: The widest window side accepted: TE's sequence lengths are int32, so a wider one would
+#: mean the same as this one (and could overflow the int64 bounds arithmetic near 2**63).
+WINDOW_MAX = 2**31 - 1
+
+
 def window_pair(window_size: Optional[Sequence[int]]) -> Optional[Tuple[int, int]]:
-    """``(left, right)`` for TE's ``window_size`` (None: unbounded), or None when malformed."""
+    """``(left, right)`` for TE's ``window_size`` (None: unbounded), or None when malformed
+    (not two ints, or a side outside ``-1 .. WINDOW_MAX``)."""
     if window_size is None:
         return (-1, -1)
     if isinstance(window_size, (str, bytes)):
@@ -69,7 +75,7 @@ def window_pair(window_size: Optional[Sequence[int]]) -> Optional[Tuple[int, int
         return None
     if isinstance(window_size[0], bool) or isinstance(window_size[1], bool):
         return None
-    if left < -1 or right < -1:
+    if not (-1 <= left <= WINDOW_MAX and -1 <= right <= WINDOW_MAX):
         return None
     return (left, right)
 
@@ -92,8 +98,8 @@ def check_mask_arguments(
         )
     if window_pair(window_size) is None:  # type: ignore[arg-type]
         raise ValueError(
-            "window_size: expected None or (left, right), two integers >= -1 "
-            f"(-1 = unbounded), got {window_size!r}"
+            "window_size: expected None or (left, right), two integers from -1 to "
+            f"2**31 - 1 (-1 = unbounded), got {window_size!r}"
         )
     if bottom_right_diagonal is not None and not isinstance(bottom_right_diagonal, bool):
         raise ValueError(

@@ -111,23 +111,51 @@ def raise_pending(device: torch.device, when: str = "an earlier") -> None:
         )
 
 
-def check_offset_errors(
-    device: Optional[torch.device] = None, *, synchronize: bool = False
-) -> None:
+_DEVICE_EXPECTED = (
+    "device: expected None (every device), a torch.device or a device string such as "
+    "'cuda', 'cuda:1' or 'cpu'"
+)
+
+
+def _device_arg(device: object) -> Optional[torch.device]:
+    """``device`` as a torch.device with an index where CUDA needs one; None where nothing
+    can have been recorded (plain 'cuda' before any CUDA post-pass call)."""
+    if isinstance(device, str):
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, ValueError):
+            raise ValueError(f"{_DEVICE_EXPECTED}, got {device!r}") from None
+    elif isinstance(device, torch.device):
+        dev = device
+    else:  # an int means "current accelerator" to torch: say which device instead
+        raise ValueError(f"{_DEVICE_EXPECTED}, got {device!r}")
+    if dev.type == "cuda" and dev.index is None:
+        if not any(d.type == "cuda" for d in _records):
+            return None  # no CUDA call recorded anything (also: a CPU-only torch)
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def check_offset_errors(device: object = None, *, synchronize: bool = False) -> None:
     """Raise :class:`OffsetsError` if any post-pass call recorded impossible offsets.
 
     Args:
-        device: the device to check; None checks every device used so far.
+        device: the device to check (a torch.device or a string such as ``"cuda:1"``;
+            ``"cuda"`` is the current CUDA device); None checks every device used so far.
+            A device no post-pass call has used (any CUDA device on a CPU-only torch)
+            has recorded nothing: the call returns.
         synchronize: first wait for the device(s) (a host sync; not inside graph capture)
             so the most recent call is included. Without it, only host memory is read.
+
+    Raises:
+        OffsetsError: a recorded error, naming the offending arguments (then cleared).
+        ValueError: ``device`` is not None, a torch.device or a device string.
     """
     if device is None:
         devices = list(_records)
     else:
-        dev = torch.device(device)
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        devices = [dev]
+        dev = _device_arg(device)
+        devices = [] if dev is None else [dev]
     for dev in devices:
         rec = _records.get(dev)
         if synchronize and rec is not None and dev.type == "cuda":

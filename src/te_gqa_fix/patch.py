@@ -11,7 +11,7 @@ import contextlib
 import importlib
 import sys
 import threading
-from types import ModuleType
+from types import FunctionType, ModuleType
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 from ._logging import log_once, logger
@@ -60,10 +60,12 @@ def find_original(module: Optional[ModuleType] = None) -> Callable:
 
 
 _lock = threading.RLock()
-# (module, attribute) -> what it held before we rebound it
+# (module, attribute) sites we rebound, each holding _wrapper; uninstall gives them _original
 _sites: List[Tuple[ModuleType, str]] = []
 _original: Optional[Callable] = None
 _wrapper: Optional[Callable] = None
+# True once install() was called explicitly: a patched() block then leaves the patch on.
+_lasting = False
 
 
 def _module_items(mod: ModuleType):
@@ -79,14 +81,70 @@ _OWN_PACKAGE = __name__.rpartition(".")[0]
 def _holders(target: Callable) -> Iterator[Tuple[ModuleType, str]]:
     """Every (module, attribute) that holds ``target``, except our own bookkeeping
     (``_original``/``_wrapper`` here are references, not call sites)."""
+    return _holders_of(lambda value: value is target)
+
+
+def _holders_of(match: Callable[[Any], bool]) -> Iterator[Tuple[ModuleType, str]]:
     for name, mod in list(sys.modules.items()):
         if not isinstance(mod, ModuleType):
             continue
         if name == _OWN_PACKAGE or name.startswith(_OWN_PACKAGE + "."):
             continue
         for attr, value in _module_items(mod):
-            if value is target:
+            if match(value):
                 yield mod, attr
+
+
+def _earlier_definition(value: Any, original: Callable) -> bool:
+    """Whether ``value`` is, or is our wrapper of, a function an earlier run of the defining
+    module's code made (``importlib.reload`` makes a new one; importers keep the old)."""
+    if type(value) is not FunctionType:  # never run an arbitrary object's __getattr__
+        return False
+    fn = unwrap(value) if is_wrapper(value) else value
+    if fn is original or type(fn) is not FunctionType:
+        return False
+    code, now = getattr(fn, "__code__", None), getattr(original, "__code__", None)
+    return (
+        code is not None
+        and now is not None
+        and getattr(fn, "__module__", None) == getattr(original, "__module__", None)
+        and getattr(fn, "__qualname__", None) == getattr(original, "__qualname__", None)
+        and code.co_filename == now.co_filename
+    )
+
+
+def _install() -> List[str]:
+    global _original, _wrapper
+    with _lock:
+        module = import_fused_attn_module()
+        original = find_original(module)
+        wrapper = wrapper_for(original)
+        reloaded = _original is not None and original is not _original
+        old = (_original, _wrapper)
+
+        def stale(value: Any) -> bool:
+            # What a call site holds when the module was reloaded (before or since install).
+            if value is wrapper:
+                return False
+            return (
+                value is original
+                or any(value is x for x in old if x is not None)
+                or (callable(value) and _earlier_definition(value, original))
+            )
+
+        if reloaded:
+            _sites.clear()  # every site is found again below; uninstall restores `original`
+        rebound: List[str] = []
+        for mod, attr in list(_holders_of(stale)):
+            setattr(mod, attr, wrapper)
+            _sites.append((mod, attr))
+            site = f"{mod.__name__}.{attr}"
+            rebound.append(site)
+            log_once(("site", site, id(original)), 20, "te_gqa_fix: patched %s", site)
+        if getattr(module, SYMBOL) is not wrapper:
+            raise RuntimeError(f"te_gqa_fix: failed to patch {module.__name__}.{SYMBOL}")
+        _original, _wrapper = original, wrapper
+        return rebound
 
 
 def install() -> List[str]:
@@ -94,35 +152,28 @@ def install() -> List[str]:
 
     Imports ``transformer_engine.pytorch`` (so its consumers are loaded), then rebinds
     the original in every module that holds it. Calling it again only picks up sites
-    loaded since; it never wraps a wrapper. Raises ImportError when TE or the symbol is
-    missing.
+    loaded since; it never wraps a wrapper. After ``importlib.reload`` of TE's module,
+    sites still holding the earlier function (or our wrapper of it) are rebound to the
+    wrapper of the new one. The patch lasts: a ``patched()`` block that this call runs
+    inside leaves it installed on exit.
+
+    Raises:
+        ImportError: TE or the symbol is missing.
     """
-    global _original, _wrapper
+    global _lasting
     with _lock:
-        module = import_fused_attn_module()
-        original = find_original(module)
-        if _original is not None and original is not _original:
-            # TE was reloaded under us: restore what we know, start over.
-            uninstall()
-        wrapper = wrapper_for(original)
-        rebound: List[str] = []
-        for mod, attr in _holders(original):
-            setattr(mod, attr, wrapper)
-            _sites.append((mod, attr))
-            site = f"{mod.__name__}.{attr}"
-            rebound.append(site)
-            log_once(("site", site), 20, "te_gqa_fix: patched %s", site)
-        if not is_wrapper(getattr(module, SYMBOL)):
-            raise RuntimeError(f"te_gqa_fix: failed to patch {module.__name__}.{SYMBOL}")
-        _original, _wrapper = original, wrapper
+        rebound = _install()
+        _lasting = True
         return rebound
 
 
 def uninstall() -> List[str]:
-    """Restore exactly the originals at every site we patched (and any module that
-    copied the wrapper since). Returns the sites restored; a no-op when not installed."""
-    global _original, _wrapper
+    """Restore TE's function at every site we patched (and any module that copied the
+    wrapper since): exactly what each held, or after a reload the current definition.
+    Returns the sites restored; a no-op when not installed."""
+    global _original, _wrapper, _lasting
     with _lock:
+        _lasting = False
         if _original is None or _wrapper is None:
             return []
         original, wrapper = _original, _wrapper  # locals: the loop must not see rebinding
@@ -143,22 +194,31 @@ def uninstall() -> List[str]:
 
 
 def is_installed() -> bool:
-    """True when TE's defining module currently holds our wrapper (no TE import)."""
-    mod = sys.modules.get("transformer_engine.pytorch.cpp_extensions.fused_attn")
-    return mod is not None and is_wrapper(getattr(mod, SYMBOL, None))
+    """True when TE's defining module holds our wrapper of the function it defines now:
+    the one :func:`install` wrapped, not one from before an ``importlib.reload`` (no TE
+    import)."""
+    mod = sys.modules.get(FUSED_ATTN_MODULE)
+    fn = getattr(mod, SYMBOL, None) if mod is not None else None
+    if not is_wrapper(fn):
+        return False
+    with _lock:
+        return _original is None or unwrap(fn) is _original
 
 
 @contextlib.contextmanager
 def patched() -> Iterator[List[str]]:
-    """``with te_gqa_fix.patched():`` installs for the block; uninstalls on exit only
-    if it was not installed before (nesting and a prior ``install()`` are respected)."""
-    was_installed = is_installed()
-    sites = install()
+    """``with te_gqa_fix.patched():`` installs for the block; uninstalls on exit only if it
+    was not installed before and no :func:`install` inside the block asked for a lasting
+    patch (nesting and a prior or inner ``install()`` are respected)."""
+    with _lock:
+        was_installed = is_installed()
+        sites = _install()
     try:
         yield sites
     finally:
-        if not was_installed:
-            uninstall()
+        with _lock:
+            if not was_installed and not _lasting:
+                uninstall()
 
 
 def fused_attn_bwd(*args: Any, **kwargs: Any) -> Any:

@@ -17,8 +17,11 @@ from . import launch, offset_errors, settings
 from ._logging import log_once
 from .masks import KeySpan, key_span
 from .validation import (
+    check_disjoint,
+    check_in_place,
     check_metadata,
     check_offsets,
+    check_rows,
     check_rows_disjoint,
     check_values,
     shape_of,
@@ -170,56 +173,98 @@ def dead_row_masks(
 
     Offsets follow TE: ``cu_seqlens_*`` are cumulative valid lengths, ``*_padded`` the
     start of each sequence in the buffer (``None``: the valid offsets, as TE does).
-    Sync-free; the masks live on the offsets' device. Malformed mask arguments raise
-    ``ValueError`` naming the argument (``'arbitrary'``: keep every valid key of a
-    sequence with queries). Impossible offsets give masks with nothing dead and are
-    reported as described in :mod:`te_gqa_fix.offset_errors` (CPU: ``OffsetsError``, a
-    ``ValueError``, at once; CUDA: at the next post-pass call).
+    Sync-free; the masks live on the offsets' device (``'arbitrary'``: keep every valid
+    key of a sequence with queries).
+
+    Args:
+        cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded: TE's int32
+            offsets. rows_q (None: no dQ mask), rows_kv: ints from 0 to 2**31 - 1.
+        attn_mask_type, window_size, bottom_right_diagonal: TE's mask arguments.
+
+    Returns:
+        A :class:`DeadRows`.
+
+    Raises:
+        ValueError: malformed arguments, naming the argument (the checks and messages of
+            :func:`zero_dead_rows`). Impossible offsets give masks with nothing dead and
+            are reported as described in :mod:`te_gqa_fix.offset_errors` (CPU:
+            ``OffsetsError``, a ``ValueError``, at once; CUDA: at the next post-pass call).
     """
     # The checks of zero_dead_rows, in its order: the same input gets the same error.
     span = key_span(attn_mask_type, window_size, bottom_right_diagonal, strict=True)
     offsets = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
-    check_offsets(*offsets, rows_q=rows_q, rows_kv=rows_kv)
-    if rows_kv is None:
-        raise ValueError("rows_kv: expected a non-negative int, got None")
+    check_offsets(*offsets, rows_q=rows_q)
+    check_rows("rows_kv", rows_kv)
     dead = _dead_rows(*offsets, rows_q, rows_kv, span)
     _record_errors(dead.errors, cu_seqlens_kv.device)
     return dead
 
 
-def _writable_rows(t: object, name: str) -> Optional[torch.Tensor]:
-    """The plain tensor holding ``t``'s rows, or None (logged once). FP8 storage zeroes its
-    raw bytes (byte 0 is +0 in E4M3 and E5M2) unless a cached transpose would go stale."""
+def _plain_subclass(t: torch.Tensor) -> bool:
+    """A tensor subclass whose data is its own strided tensor (no ``__torch_dispatch__``
+    of its own, so its memory is what a plain tensor view of it sees)."""
+    return (
+        type(t).__torch_dispatch__ is torch.Tensor.__torch_dispatch__  # type: ignore[attr-defined]
+        and t.layout is torch.strided
+    )
+
+
+def _writable_rows(t: object, name: str, strict: bool = False) -> Optional[torch.Tensor]:
+    """The plain strided tensor holding ``t``'s rows; where there is none, ``strict`` (the
+    public API) raises ``ValueError`` naming ``name``, else None is returned (logged once).
+
+    Plain tensors and ``nn.Parameter`` are their own rows; a tensor subclass without its own
+    ``__torch_dispatch__`` is written through a plain view of its memory; a TE FP8 storage
+    through its raw bytes (byte 0 is +0 in E4M3 and E5M2) unless a cached transpose would
+    go stale. Everything else (other wrapper subclasses, sparse or nested layouts) is not.
+    """
     if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
-        return t  # type: ignore[return-value]
+        if t.layout is torch.strided:  # type: ignore[union-attr]
+            return t  # type: ignore[return-value]
+    elif isinstance(t, torch.Tensor) and _plain_subclass(t):
+        with torch._C.DisableTorchFunctionSubclass():
+            return t.view(t.shape)
     data = getattr(t, "_data", None)
     transpose = getattr(t, "_transpose", None)
     transpose_live = transpose is not None and not getattr(t, "_transpose_invalid", False)
     if (
         isinstance(data, torch.Tensor)
+        and type(data) is torch.Tensor
         and data.dtype == torch.uint8
         and tuple(data.shape) == shape_of(t)
         and not transpose_live
     ):
         return data
+    kind = type(t).__name__
+    if strict:
+        raise ValueError(
+            f"{name}: expected a torch.Tensor whose rows can be zeroed in place (a plain or "
+            "nn.Parameter tensor, a subclass without its own __torch_dispatch__, or a TE FP8 "
+            f"tensor without a live cached transpose), got a {kind} (layout "
+            f"{getattr(t, 'layout', None)}) whose raw rows cannot be zeroed safely"
+        )
     log_once(
-        ("quantized-output", type(t).__name__),
+        ("quantized-output", kind),
         logging.WARNING,
         "te_gqa_fix: %s is a %s whose raw rows cannot be zeroed safely; passed through "
         "unchanged (rows of sequences without queries may hold stale values)",
         name,
-        type(t).__name__,
+        kind,
     )
     return None
 
 
 def zero_rows_(t: Optional[object], dead: torch.Tensor, name: str = "tensor") -> None:
-    """``t[dead] = 0`` in place along dim 0 via ``masked_fill_`` (works through views)."""
+    """``t[dead] = 0`` in place along dim 0 via ``masked_fill_`` (works through views; a
+    zero-stride inner dim is written once, as its one element repeats)."""
     if t is None:
         return
     target = _writable_rows(t, name)
     if target is None:
         return
+    for dim in range(1, target.dim()):
+        if target.stride(dim) == 0 and target.shape[dim] > 1:
+            target = target.narrow(dim, 0, 1)
     mask = dead.view(-1, *([1] * (target.dim() - 1)))
     target.masked_fill_(mask, 0)
 
@@ -299,16 +344,19 @@ def zero_dead_rows(
     ``TE_GQA_FIX_VALIDATE=on``.
 
     Args:
-        dq: ``[Tq, Hq, D]`` or None; dk, dv: ``[Tkv, Hkv, D]`` (views of one packed buffer
-            are fine).
+        dq: ``[Tq, Hq, D]`` or None; dk, dv: ``[Tkv, Hkv, D]``. Each a torch.Tensor whose
+            rows can be written in place: plain, ``nn.Parameter``, a subclass without its
+            own ``__torch_dispatch__``, or a TE FP8 tensor without a live cached transpose.
+            Disjoint views of one packed buffer are fine; views that overlap are not.
         cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded: TE's int32
             offsets (padded None: the valid ones).
         attn_mask_type, window_size, bottom_right_diagonal: TE's mask arguments.
         impl: ``auto``/``triton`` (the kernel where it applies) or ``torch``.
 
     Raises:
-        ValueError: bad metadata or mask arguments, naming the argument, before anything is
-            written. Impossible offset values make the call zero nothing and raise
+        ValueError: bad metadata or mask arguments, gradients that share memory, require
+            grad (grad mode on) or are inference tensors (outside inference mode), naming
+            the argument, before anything is written. Impossible offset values make the call zero nothing and raise
             ``OffsetsError`` (a ValueError): at once on CPU or with validation on, else at
             the next post-pass call on that device (see :mod:`te_gqa_fix.offset_errors`).
     """
@@ -317,8 +365,14 @@ def zero_dead_rows(
     span = key_span(attn_mask_type, window_size, bottom_right_diagonal, strict=True)
     offsets = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
     check_metadata(dq, dk, dv, *offsets)
+    named = []
     for name, t in (("dq", dq), ("dk", dk), ("dv", dv)):
-        check_rows_disjoint(name, t)
+        data = None if t is None else _writable_rows(t, name, strict=True)
+        if data is not None:
+            check_in_place(name, t, data)
+            check_rows_disjoint(name, data)
+        named.append((name, data))
+    check_disjoint(named)
     plan = None if impl == "torch" else kernel_plan(dq, dk, dv, offsets, span)
     run(dq, dk, dv, offsets, span, plan)
 

@@ -7,13 +7,16 @@ offsets, for ``plan``, and with ``TE_GQA_FIX_VALIDATE=on``. Errors name the argu
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from .offset_errors import OffsetsError
 
 __all__ = [
+    "MAX_ROWS",
+    "check_disjoint",
+    "check_in_place",
     "check_metadata",
     "check_offsets",
     "check_rows",
@@ -21,6 +24,9 @@ __all__ = [
     "check_values",
     "shape_of",
 ]
+
+#: The most token rows a buffer may have: TE's offsets are int32.
+MAX_ROWS = 2**31 - 1
 
 
 _OFFSET_NAMES = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
@@ -88,9 +94,12 @@ def check_offsets(
 
 
 def check_rows(name: str, rows: object) -> int:
-    """``rows`` as a non-negative int, else ``ValueError`` naming ``name``."""
-    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
-        raise ValueError(f"{name}: expected a non-negative int, got {rows!r}")
+    """``rows`` as an int in ``0 .. MAX_ROWS``, else ``ValueError`` naming ``name``."""
+    if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= MAX_ROWS:
+        raise ValueError(
+            f"{name}: expected a non-negative int, at most 2**31 - 1 (TE's int32 offsets), "
+            f"got {rows!r}"
+        )
     return rows
 
 
@@ -111,6 +120,12 @@ def shape_of(t: object) -> Optional[tuple]:
 
 
 def _rows(name: str, t: object) -> int:
+    # A tensor, or a TE FP8 storage (which has a torch.device too); numpy has a str device.
+    if not isinstance(getattr(t, "device", None), torch.device):
+        raise ValueError(
+            f"{name}: expected a torch.Tensor of shape [tokens, heads, head_dim], got "
+            f"{type(t).__name__}"
+        )
     shape = shape_of(t)
     if shape is None or len(shape) != 3:
         raise ValueError(
@@ -172,8 +187,13 @@ def check_metadata(
 
 def check_rows_disjoint(name: str, t: object) -> None:
     """Raise ``ValueError`` when two token rows of ``t`` share memory (zeroing one would zero
-    the other). Ignoring zero-stride inner dims, the dims of size > 1 sorted by stride must
-    each reach past what the smaller ones span (packed views like ``buf[:, 0]`` pass)."""
+    the other).
+
+    Zero-stride inner dims are ignored: a tensor expanded along heads or head_dim repeats
+    each row's own memory, and rows are zeroed whole, so zeroing a row zeroes it for every
+    head at once, which is exact. The other dims of size > 1, sorted by stride, must each
+    reach past what the smaller ones span (packed views like ``buf[:, 0]`` pass).
+    """
     if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] <= 1:
         return
     if t.is_contiguous():
@@ -193,6 +213,104 @@ def check_rows_disjoint(name: str, t: object) -> None:
                 "tensor with its own storage per row (e.g. .contiguous())"
             )
         extent += (size - 1) * stride
+
+
+def check_in_place(name: str, t: object, data: torch.Tensor) -> None:
+    """Raise ``ValueError`` naming ``name`` where torch would refuse to write ``t`` in place.
+
+    ``data`` is the tensor the post-pass writes (``t`` itself, or the raw bytes of a TE FP8
+    storage). With grad mode on, a gradient that requires grad is refused: torch forbids
+    in-place writes to a leaf that requires grad (an ``nn.Parameter``) and to views of one,
+    and on any other such tensor the zeroing would enter the autograd graph. Under
+    ``torch.no_grad()`` torch allows the write, and so does this check. An inference tensor
+    can be written only inside ``torch.inference_mode()``.
+    """
+    if torch.is_grad_enabled() and getattr(t, "requires_grad", False):
+        raise ValueError(
+            f"{name}: expected a gradient that does not require grad, got one that requires "
+            "grad (torch forbids zeroing it in place while grad mode is on); pass .detach() "
+            "or call under torch.no_grad()"
+        )
+    if data.is_inference() and not torch.is_inference_mode_enabled():
+        raise ValueError(
+            f"{name}: expected a normal tensor, got an inference tensor outside inference "
+            "mode (torch forbids writing it in place there); call under "
+            "torch.inference_mode() or pass a clone made outside it"
+        )
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    start = t.data_ptr()
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return start, start + (last + 1) * t.element_size()
+
+
+def _lattice_meets(delta: int, dims: list, budget: list) -> bool:
+    """Whether ``delta == sum(k * stride)`` for some ``lo <= k <= hi`` per ``(stride, lo,
+    hi)`` of ``dims`` (largest stride first); True too when ``budget`` runs out."""
+    if not dims:
+        return delta == 0
+    (stride, lo, hi), rest = dims[0], dims[1:]
+    low = sum(s * k for s, k, _ in rest)
+    high = sum(s * k for s, _, k in rest)
+    k_min = max(lo, -((high - delta) // stride))  # ceil((delta - high) / stride)
+    k_max = min(hi, (delta - low) // stride)
+    for k in range(k_min, k_max + 1):
+        budget[0] -= 1
+        if budget[0] < 0 or _lattice_meets(delta - k * stride, rest, budget):
+            return True
+    return False
+
+
+def _may_share(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether an element of ``a`` and one of ``b`` can be the same memory (metadata only)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    (a0, a1), (b0, b1) = _byte_range(a), _byte_range(b)
+    if a1 <= b0 or b1 <= a0:
+        return False
+    size = a.element_size()
+    delta = b.data_ptr() - a.data_ptr()
+    if b.element_size() != size or delta % size or a.dim() != b.dim():
+        return True
+    dims = []
+    for n_a, s_a, n_b, s_b in zip(a.shape, a.stride(), b.shape, b.stride()):
+        live_a, live_b = n_a > 1 and s_a != 0, n_b > 1 and s_b != 0
+        if live_a and live_b and s_a != s_b:
+            return True  # different strides: no common lattice to reason on
+        if live_a or live_b:
+            dims.append(
+                (s_a if live_a else s_b, 1 - n_b if live_b else 0, n_a - 1 if live_a else 0)
+            )
+    dims.sort(reverse=True)
+    return _lattice_meets(delta // size, dims, [4096])
+
+
+def check_disjoint(tensors: Sequence[tuple[str, Optional[torch.Tensor]]]) -> None:
+    """Raise ``ValueError`` naming two of ``tensors`` (``(name, tensor)``, None skipped) when
+    zeroing rows of one could write memory of the other. Metadata only (no sync).
+
+    The rule: tensors whose byte ranges (``data_ptr`` to the last element) do not overlap
+    are disjoint; so are tensors with the same element size and, on every dim where both
+    have size > 1 and a non-zero stride, the same stride, when no element offset of one
+    equals one of the other. That is a small integer check on the offset difference
+    (``sum(k_i * stride_i)`` with each ``k_i`` bounded by the two sizes), exact for TE's
+    packings: ``buf[:, 0]``/``buf[:, 1]`` of ``[t, 2, h, d]`` (``thd_t2hd``, ``t3hd``) and
+    ``buf[:, :, 0]``/``buf[:, :, 1]`` of ``[t, h, 2, d]`` (``thd_th2d``, ``th3d``), and
+    head slices of one ``[t, h, d]`` buffer. Anything else whose ranges overlap (other
+    strides or dtypes) is refused, though it may not alias: pass separate buffers then.
+    """
+    present = [(name, t) for name, t in tensors if t is not None]
+    for i, (name_a, a) in enumerate(present):
+        for name_b, b in present[i + 1 :]:
+            if _may_share(a, b):
+                raise ValueError(
+                    f"{name_b}: expected memory separate from {name_a}'s, got views that "
+                    f"overlap (shapes {tuple(a.shape)} and {tuple(b.shape)}, strides "
+                    f"{tuple(a.stride())} and {tuple(b.stride())}): zeroing rows of one "
+                    "would zero rows of the other. Pass separate buffers or disjoint views "
+                    "of one packed buffer"
+                )
 
 
 def _check_monotonic(name: str, t: torch.Tensor) -> list[int]:
