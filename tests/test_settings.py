@@ -105,11 +105,13 @@ def _start_up_line(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFix
 
 
 #: variable -> typos, each once read as something the user did not ask for.
+#: A value that looks like a path is a folder for TE_GQA_FIX_CUDNN only; 80 characters are
+#: echoed in full, 100,000 are cut.
 TYPOS: Dict[str, List[str]] = {
-    "TE_GQA_FIX": ["bogus", "alway", "true", LONG],
-    "TE_GQA_FIX_GUARD": ["stirct", "raise", "warning", LONG],
-    "TE_GQA_FIX_VALIDATE": ["2", "onn", LONG],
-    "TE_GQA_FIX_AUTOPATCH": ["none", "stirct", LONG],
+    "TE_GQA_FIX": ["bogus", "alway", "true", "./auto", LONG],
+    "TE_GQA_FIX_GUARD": ["stirct", "raise", "warning", "/strict", "y" * 80],
+    "TE_GQA_FIX_VALIDATE": ["2", "onn", ".on", LONG],
+    "TE_GQA_FIX_AUTOPATCH": ["none", "stirct", "~/on", LONG],
     "TE_GQA_FIX_CUDNN": ["atuo", "stirct", "cudnn", "strict:", "maybe", LONG],
 }
 
