@@ -13,7 +13,9 @@ Everything else runs the same line in this process (``exec``, as ``site`` does).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import importlib.machinery
 import importlib.metadata
 import inspect
 import json
@@ -23,6 +25,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -275,32 +278,62 @@ def test_strict_with_te_already_imported_raises_from_enable(fake_te: Path, hook)
     assert isinstance(err.value.__cause__, ImportError)
 
 
-@pytest.mark.parametrize(
-    "name, value",
-    [
-        (boot.ENV_AUTOPATCH, "none"),  # was: on
-        (boot.ENV_AUTOPATCH, "stirct"),  # was: on, without strict's error
-        (boot.ENV_CUDNN, "atuo"),  # was: a folder named atuo
-    ],
-)
-def test_a_mistyped_setting_is_an_error_and_stays_off(
-    hook,
-    monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
-    name: str,
-    value: str,
+@pytest.mark.parametrize("first, then", [(True, False), (False, True), (True, True)])
+def test_a_later_enable_never_turns_patching_off(hook, first: bool, then: bool) -> None:
+    """``enable(patch=False)`` (the cuDNN route's own call) after ``enable()`` keeps the
+    patch; either order gives one hook that patches."""
+    boot.enable(patch=first)
+    boot.enable(patch=then)
+    (only,) = boot._hooks()
+    assert only.patch is True
+
+
+@pytest.mark.parametrize("initializing", [True, False])
+def test_enable_while_te_is_importing_waits_for_the_hook(
+    hook, monkeypatch: pytest.MonkeyPatch, initializing: bool
 ) -> None:
-    """Logged at ERROR (naming variable, value and choices) and off: a typo must neither
-    pick a behaviour nor break a program that never imports TE."""
-    monkeypatch.setenv(name, value)
-    with caplog.at_level(logging.ERROR, logger="te_gqa_fix"):
-        run_pth_line()
-    (record,) = [r for r in caplog.records if r.levelno == logging.ERROR]
-    msg = record.getMessage()
-    assert f"{name}={value!r} is not an accepted value" in msg and "'strict'" in msg
-    assert not boot.is_enabled()
-    assert not [f for f in sys.meta_path if isinstance(f, boot.CudnnPreloadHook)]
-    assert boot.state()["cudnn_route"] is False and boot.state()["activated_by"] is None
+    """TE in sys.modules but still executing (an import cycle, another start-up file): the
+    fix must come from the hook once TE is complete, never from enable() on half a module."""
+    fired: list = []
+    monkeypatch.setattr(boot, "_fire", lambda strict: fired.append(strict))
+    module = types.ModuleType(TE)
+    module.__spec__ = importlib.machinery.ModuleSpec(TE, None)
+    module.__spec__._initializing = initializing  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, TE, module)
+    boot.enable()
+    assert fired == ([] if initializing else [False]) and boot.is_enabled()
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("how", ["torch imported before the hook", "the hook's trigger"])
+def test_the_preload_runs_once_then_removes_its_hook(
+    hook, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path,
+    how: str, strict: bool,
+) -> None:  # fmt: skip
+    """torch is imported in this process, as after a start-up file that imports it: the
+    route runs at once and reports why it loads nothing; otherwise the hook runs it at the
+    first import of torch. Either way a failure is logged and the hook goes (strict: raised,
+    and the hook stays, so that every later import fails too)."""
+    cudnn = importlib.import_module("te_gqa_fix.cudnn")
+    cudnn._reset_route()
+    monkeypatch.setattr(cudnn, "_route", dict(cudnn._route))
+    folder = f"{'strict:' if strict else ''}{tmp_path / 'no-cudnn'}"
+    monkeypatch.setenv(boot.ENV_CUDNN, folder)
+    with caplog.at_level(logging.WARNING, logger="te_gqa_fix"), (
+        pytest.raises(ImportError, match=r"TE_GQA_FIX_CUDNN=strict:.*expected a folder holding")
+        if strict else contextlib.nullcontext()
+    ):  # fmt: skip
+        if how == "the hook's trigger":
+            monkeypatch.setattr(boot.CudnnPreloadHook, "TRIGGERS", ("a_module_not_imported",))
+            boot.activate()
+            assert boot._hooks(boot._CUDNN_MARKER) and cudnn.route_state()["setting"] is None
+            assert boot._hooks(boot._CUDNN_MARKER)[0].find_spec("a_module_not_imported") is None
+        else:
+            boot.activate()
+    assert "expected a folder holding libcudnn.so.9" in cudnn.route_state()["error"]
+    assert bool(boot._hooks(boot._CUDNN_MARKER)) is strict
+    if not strict:
+        assert "Transformer Engine keeps the cuDNN it finds" in caplog.text
 
 
 def test_pth_line_reads_two_variables_and_their_off_values() -> None:

@@ -27,8 +27,7 @@ from te_gqa_fix.cli import doctor, main, report
 from te_gqa_fix.cli import plan as plan_module
 from te_gqa_fix.cli.plan import MAX_ROWS, PlanInput, build_plan
 from te_gqa_fix.postpass import dead_row_masks
-from te_gqa_fix.settings import SETTINGS, SettingError
-from te_gqa_fix.settings import get as get_setting
+from te_gqa_fix.settings import SETTINGS
 
 Runs = Sequence[Tuple[int, int, str, Optional[int]]]  # (first row, last row, code, sequence)
 
@@ -228,28 +227,6 @@ def test_plan_from_json_file_matches_flags(tmp_path: Path, capsys: pytest.Captur
     check_side(from_file["dkv"], SEED_KV, ("attended",))
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--cu-seqlens-q", "0,3", "--cu-seqlens-kv", "0,3,9"], "cu_seqlens_kv: expected 2"),
-        (["--cu-seqlens-q", "0,3,1", "--cu-seqlens-kv", "0,3,9"], "non-decreasing"),
-        (
-            ["--cu-seqlens-q", "0,5", "--cu-seqlens-kv", "0,3", "--padded-q", "0,4"],
-            "sequence 0 has 5 tokens",
-        ),
-        (
-            ["--cu-seqlens-q", "0,3", "--cu-seqlens-kv", "0,3", "--rows-kv", "2"],
-            "past the 2 kv rows",
-        ),
-    ],
-)
-def test_plan_rejects_bad_offsets(
-    capsys: pytest.CaptureFixture, args: List[str], message: str
-) -> None:
-    assert main(["plan", *args]) == 2
-    assert message in capsys.readouterr().err
-
-
 def test_plan_needs_offsets(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["plan", "--cu-seqlens-q", "0,1"])
@@ -258,93 +235,83 @@ def test_plan_needs_offsets(capsys: pytest.CaptureFixture) -> None:
 
 # ------------------------------------------------------------- plan: what it refuses
 
+Q3, KV3 = ["--cu-seqlens-q", "0,3"], ["--cu-seqlens-kv", "0,3"]
+DEEP = "[" * 100_000  # before: RecursionError, exit 1
 
-def refused(capsys: pytest.CaptureFixture, args: List[str]) -> str:
-    """Run ``plan`` with ``args``; it must refuse with exit 2; return its stderr."""
-    assert main(["plan", *args]) == 2
-    return capsys.readouterr().err
+#: plan's arguments (a dict or text: the JSON of --file), then what follows "error: " in
+#: its one line of stderr. Each exits 2 before any row-sized allocation.
+REFUSED = [
+    # offsets the gate refuses (te_gqa_fix.validation's own words)
+    (["--cu-seqlens-q", "0,3", "--cu-seqlens-kv", "0,3,9"], "cu_seqlens_kv: expected 2"),
+    (["--cu-seqlens-q", "0,3,1", "--cu-seqlens-kv", "0,3,9"], "cu_seqlens_q: expected "
+     "non-decreasing offsets"),
+    (["--cu-seqlens-q", "0,5", "--cu-seqlens-kv", "0,3", "--padded-q", "0,4"],
+     "sequence 0 has 5 tokens"),
+    ([*Q3, *KV3, "--rows-kv", "2"], "past the 2 kv rows"),
+    # past int32 (before: a RuntimeError from torch, exit 1)
+    (["--cu-seqlens-q", "0,2147483648", *KV3], "cu_seqlens_q: offset 2147483648 does not fit "
+     "in int32"),
+    (["--cu-seqlens-q", "-2147483649,0", "--cu-seqlens-kv", "0,0"], "cu_seqlens_q: offset "
+     "-2147483649 does not fit in int32"),
+    ([*Q3, *KV3, "--padded-kv", "0,4294967296"], "cu_seqlens_kv_padded: offset 4294967296"),
+    # too many rows to list (before: --rows-kv 3000000000 was killed for memory)
+    ([*Q3, *KV3, "--rows-kv", "3000000000"], f"rows_kv: expected at most {MAX_ROWS} rows"),
+    ([*Q3, *KV3, "--rows-q", str(MAX_ROWS + 1)], f"rows_q: expected at most {MAX_ROWS} rows"),
+    (["--cu-seqlens-q", "0,0", "--cu-seqlens-kv", f"0,{MAX_ROWS + 1}"],
+     f"cu_seqlens_kv: expected at most {MAX_ROWS}"),
+    (["--cu-seqlens-q", "0,0", "--cu-seqlens-kv", "0,1", "--padded-q", "0,2000000000",
+      "--padded-kv", "0,1"], f"cu_seqlens_q_padded: expected at most {MAX_ROWS}"),
+    # not ASCII decimal integers (before: "0,,3" read as [0, 3]; 1_0 as 10, ١ as 1)
+    *[(["--cu-seqlens-q", text, *KV3], f"cu_seqlens_q: expected comma-separated integers "
+       f"(0,0,3), got {text!r}")
+      for text in ["0,,3", "0,3,", ",0,3", "0;3", "0,3.0", "0 3", "", "0,1_0", "0,\u0661",
+                   "0,+3", "0,\uff13"]],
+    ([*Q3, *KV3, "--rows-q", "1_0"], "rows_q: expected an integer, got '1_0'"),
+    ([*Q3, *KV3, "--window", "1_0,0"], "window_size: expected comma-separated integers"),
+    # the window (before: 2**64 was an OverflowError, exit 1; 2**63 - 1 wrapped around)
+    ([*Q3, *KV3, "--window", "18446744073709551616,0"], "window_size: expected two integers "
+     "in -1..2147483647 (-1: unbounded), got (18446744073709551616, 0)"),
+    ([*Q3, *KV3, "--window", "0,9223372036854775807"], "window_size: expected two integers"),
+    ([*Q3, *KV3, "--window", "-2,0"], "window_size"),
+    ([*Q3, *KV3, "--mask", ""], "attn_mask_type: expected one of"),  # before: the default
+    # --file: JSON's own types, then the same checks
+    ({"cu_seqlens_q": [0, True]}, "cu_seqlens_q: "),  # a JSON true is 1 in Python
+    ({"cu_seqlens_kv_padded": [False, 6]}, "cu_seqlens_kv_padded: "),
+    ({"cu_seqlens_q": [0, 2**31]}, "cu_seqlens_q: offset 2147483648 does not fit in int32"),
+    ({"rows_kv": 3000000000}, "rows_kv: expected at most"),
+    ({"window_size": [2**64, 0]}, "window_size: expected two integers in -1..2147483647"),
+    (DEEP, "--file: JSON nested too deeply"),
+    ('{"cu_seqlens_q": ' + DEEP, "--file: JSON nested too deeply"),
+]  # fmt: skip
 
 
-def plan_file(tmp_path: Path, **fields: Any) -> str:
-    path = tmp_path / "batch.json"
-    path.write_text(json.dumps({"cu_seqlens_q": [0, 3], "cu_seqlens_kv": [0, 6], **fields}))
-    return str(path)
-
-
-@pytest.mark.parametrize(
-    "args, field",
-    [
-        (["--cu-seqlens-q", "0,2147483648", "--cu-seqlens-kv", "0,3"], "cu_seqlens_q"),
-        (["--cu-seqlens-q", "-2147483649,0", "--cu-seqlens-kv", "0,0"], "cu_seqlens_q"),
-        (["--cu-seqlens-q", "0,3", "--cu-seqlens-kv", "0,3", "--padded-kv", "0,4294967296"],
-         "cu_seqlens_kv_padded"),
-    ],
-)  # fmt: skip
-def test_plan_refuses_offsets_past_int32(
-    capsys: pytest.CaptureFixture, args: List[str], field: str
-) -> None:
-    # Before: an uncaught RuntimeError from torch.tensor(..., dtype=torch.int32), exit 1.
-    err = refused(capsys, args)
-    assert f"error: {field}: offset" in err and "does not fit in int32" in err
-
-
-@pytest.mark.parametrize(
-    "args, field",
-    [
-        (["--cu-seqlens-q", "0,3", "--cu-seqlens-kv", "0,3", "--rows-kv", "3000000000"], "rows_kv"),
-        (["--cu-seqlens-q", "0,3", "--cu-seqlens-kv", "0,3", "--rows-q", str(MAX_ROWS + 1)],
-         "rows_q"),
-        (["--cu-seqlens-q", "0,0", "--cu-seqlens-kv", f"0,{MAX_ROWS + 1}"], "cu_seqlens_kv"),
-        (["--cu-seqlens-q", "0,0", "--cu-seqlens-kv", "0,1", "--padded-q", "0,2000000000",
-          "--padded-kv", "0,1"], "cu_seqlens_q_padded"),
-    ],
-)  # fmt: skip
-def test_plan_refuses_rows_too_large_to_list_before_allocating(
-    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, args: List[str], field: str
-) -> None:
-    # Before: --rows-kv 3000000000 was killed for memory (23.6 GB resident).
+@pytest.mark.parametrize("args, error", REFUSED, ids=[str(i) for i in range(len(REFUSED))])
+def test_plan_refuses_bad_input_before_allocating(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch,
+    args: Any, error: str,
+) -> None:  # fmt: skip
     def allocates(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("plan allocated row masks for a batch it must refuse")
 
     monkeypatch.setattr(plan_module, "dead_row_masks", allocates)
-    err = refused(capsys, args)
-    assert f"error: {field}: " in err and f"at most {MAX_ROWS}" in err
+    if not isinstance(args, list):
+        text = args if isinstance(args, str) else json.dumps({**json.loads(FILE), **args})
+        (tmp_path / "batch.json").write_text(text)
+        args = ["--file", str(tmp_path / "batch.json")]
+    assert main(["plan", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("te-gqa-fix plan: error: ") and err.count("\n") == 1, err
+    assert error in err
+
+
+FILE = json.dumps({"cu_seqlens_q": [0, 3], "cu_seqlens_kv": [0, 6]})
 
 
 def test_plan_row_limit_is_inclusive() -> None:
     assert plan_module._rows(MAX_ROWS, "rows_kv") == MAX_ROWS
     with pytest.raises(ValueError, match=r"^rows_kv: expected at most"):
         plan_module._rows(MAX_ROWS + 1, "rows_kv")
-
-
-def test_plan_refuses_an_empty_mask(capsys: pytest.CaptureFixture) -> None:
-    # Before: "" read as the default padding_causal, exit 0.
-    err = refused(capsys, ["--cu-seqlens-q", "0,0,3", "--cu-seqlens-kv", "0,3,9", "--mask", ""])
-    assert "error: attn_mask_type: expected one of" in err and "got ''" in err
-
-
-@pytest.mark.parametrize("text", ["0,,3", "0,3,", ",0,3", "0;3", "0,3.0", "0 3", ""])
-def test_plan_refuses_offsets_that_are_not_integers(
-    capsys: pytest.CaptureFixture, text: str
-) -> None:
-    # Before: "0,,3" read as [0, 3].
-    err = refused(capsys, ["--cu-seqlens-q", text, "--cu-seqlens-kv", "0,3"])
-    assert "error: cu_seqlens_q: expected comma-separated integers" in err
-
-
-@pytest.mark.parametrize(
-    "field, value",
-    [
-        ("cu_seqlens_q", [0, True]),  # a JSON true is no offset (it is the int 1 in Python)
-        ("cu_seqlens_kv_padded", [False, 6]),
-        ("cu_seqlens_q", [0, 2**31]),
-        ("rows_kv", 3000000000),
-    ],
-)
-def test_plan_file_refuses_bools_and_unrepresentable_values(
-    tmp_path: Path, capsys: pytest.CaptureFixture, field: str, value: Any
-) -> None:
-    assert f"error: {field}: " in refused(capsys, ["--file", plan_file(tmp_path, **{field: value})])
+    assert build_plan(PlanInput((0, 3), (0, 3), window_size=(2**31 - 1,) * 2)).consistent
 
 
 @pytest.mark.parametrize(
@@ -365,7 +332,8 @@ def test_plan_refuses_offsets_through_the_post_passs_own_gate(
     with pytest.raises(ValueError) as gate:
         validation.check_offsets(*t, rows_q=rows[0], rows_kv=rows[1])
         validation.check_values(*rows, *t)
-    assert refused(capsys, args) == f"te-gqa-fix plan: error: {gate.value}\n"
+    assert main(["plan", *args]) == 2
+    assert capsys.readouterr().err == f"te-gqa-fix plan: error: {gate.value}\n"
 
 
 @st.composite
@@ -477,8 +445,10 @@ def test_resolve_versions_from_the_owning_wheel(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "encoded, expected", [(91400, (9, 14, 0)), (91901, (9, 19, 1)), (8907, (8, 9, 7))]
-)
+    "encoded, expected",
+    [(91400, (9, 14, 0)), (91901, (9, 19, 1)), (8907, (8, 9, 7)), (90000, (9, 0, 0)),
+     (8000, (8, 0, 0)), (100000, (10, 0, 0))],
+)  # fmt: skip
 def test_decode_cudnn_version(encoded: int, expected: Tuple[int, int, int]) -> None:
     assert cudnn.decode_cudnn_version(encoded) == expected
 
@@ -515,6 +485,27 @@ def test_decide_table(
     code: int,
 ) -> None:
     assert doctor.decide(verdict_status, live, fix_active, fallback)[:2] == (status, code)
+
+
+@pytest.mark.parametrize(
+    "value, error",
+    [("-1", "got -1"), ("0", "got 0"), ("257", "got 257"), ("100000", "got 100000"),
+     ("1_0", "expected an integer head dim, got '1_0'"), ("\u0661", "expected an integer"),
+     ("x", "expected an integer")],
+)  # fmt: skip
+def test_doctor_refuses_a_head_dim_outside_1_to_256(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, value: str, error: str
+) -> None:
+    ran: List[Any] = []
+    monkeypatch.setattr(doctor, "run", lambda **kw: ran.append(kw["head_dim"]) or 0)
+    with pytest.raises(SystemExit) as exc:
+        main(["doctor", "--no-live", "--head-dim", value])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and ran == []
+    assert "doctor: error: argument --head-dim: expected " in err and error in err
+    if "got" in error and "integer" not in error:
+        assert "expected a head dim in 1..256" in err
+    assert [main(["doctor", "--head-dim", d]) for d in ("1", "256")] == [0, 0] and ran == [1, 256]
 
 
 def _fake_probes(
@@ -632,33 +623,6 @@ def test_doctor_lists_every_setting_with_its_value(
     text = capsys.readouterr().out
     assert "  TE_GQA_FIX           always  ('ALWAYS')\n" in text
     assert "  TE_GQA_FIX_GUARD     fallback  (unset)\n" in text
-
-
-@pytest.mark.parametrize(
-    "name, value, choice",
-    [
-        ("TE_GQA_FIX_GUARD", "stirct", "'strict'"),
-        ("TE_GQA_FIX_GUARD", "raise", "'fallback'"),
-        ("TE_GQA_FIX_VALIDATE", "2", "'on'"),
-        ("TE_GQA_FIX_AUTOPATCH", "none", "'off'"),
-        ("TE_GQA_FIX_CUDNN", "atuo", "'auto'"),
-    ],
-)
-def test_a_mistyped_setting_is_a_named_error_and_doctor_shows_it(
-    monkeypatch: pytest.MonkeyPatch, name: str, value: str, choice: str
-) -> None:
-    # Before: stirct/raise meant warn, 2 meant off, none meant on, atuo was a folder.
-    monkeypatch.setenv(name, value)
-    with pytest.raises(SettingError) as err:
-        get_setting(name)
-    message = str(err.value)
-    assert f"{name}={value!r} is not an accepted value" in message and choice in message
-    _fake_probes(monkeypatch, [9, 0], "9.14.0")
-    rep = doctor.collect(live=False)
-    assert rep["settings"][name] == {**rep["settings"][name], "value": None, "error": message}
-    assert message in rep["warnings"]
-    text = report.format_report(rep)
-    assert f"  {name:<20} ERROR: {message}" in text and f"  ! {message}" in text
 
 
 # ----------------------------------------------------------- doctor: with a fake TE, or none

@@ -10,20 +10,21 @@ the way TE's loader does.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 
 from fakes import cudnn_builds as fb
 from te_gqa_fix import affected, cudnn
-from te_gqa_fix.settings import SettingError
 from te_gqa_fix.stack import RuntimeFacts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,6 +127,164 @@ def test_a_folder_without_cudnn_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(where=None), TypeError,
+         "where: expected 'auto' or a folder path (str or os.PathLike), got NoneType None"),
+        (dict(where=123), TypeError, "where: expected 'auto' or a folder path (str or "
+         "os.PathLike), got int 123"),
+        (dict(where=b"/opt"), TypeError, "where: expected 'auto' or a folder path"),
+        (dict(where=" "), ValueError, "where: expected 'auto' or a folder path"),
+        (dict(where="strict:/opt/cudnn"), ValueError, "'strict' and 'strict:FOLDER' are "
+         "TE_GQA_FIX_CUDNN's spellings; here strictness is the strict= keyword (default True): "
+         "call use_fixed_cudnn('/opt/cudnn', strict=True)"),
+        (dict(where="Strict"), ValueError, "call use_fixed_cudnn('auto', strict=True)"),
+        (dict(search_path="/usr"), TypeError, "search_path: expected a list of site folders "
+         "(str or os.PathLike), got the single '/usr': wrap one folder in a list (['/usr'])"),
+        (dict(search_path=5), TypeError, "search_path: expected a list of site folders"),
+        (dict(search_path=["/usr", None]), TypeError, "search_path[1]: expected a folder"),
+        (dict(where="/opt/cudnn", search_path=["/usr"]), ValueError,
+         "search_path is only read for where='auto', not for the folder '/opt/cudnn'"),
+        (dict(strict="no"), TypeError, "strict: expected a bool, got 'no'"),
+    ],
+)  # fmt: skip
+def test_bad_arguments_are_named_before_anything_is_tried(
+    kwargs: dict, error: type, message: str
+) -> None:
+    with pytest.raises(error) as err:
+        cudnn.use_fixed_cudnn(**{"strict": False, **kwargs})  # not even strict=False hides it
+    assert message in str(err.value)
+    assert cudnn.route_state()["setting"] is None
+
+
+@pytest.mark.parametrize("where", ["AUTO", " Auto "])
+def test_auto_in_any_case_and_folders_as_paths(tmp_path: Path, where: str) -> None:
+    fb.stub_build(tmp_path / "site" / "nvidia" / "cudnn" / "lib", header_version=(9, 14, 0))
+    with pytest.raises(LookupError, match=r"auto found no cuDNN >= 9\.18 .*seen: 9\.14\.0"):
+        cudnn.use_fixed_cudnn(where, search_path=[tmp_path / "site"])
+    with pytest.raises(cudnn.CudnnRefused, match=r"cuDNN 9\.14\.0 in .* not a fixed build"):
+        cudnn.use_fixed_cudnn(tmp_path / "site" / "nvidia" / "cudnn")
+
+
+def _not_elf(lib: Path) -> None:
+    (lib / "libcudnn_ops.so.9").write_text("not an ELF file")
+
+
+REFUSED = {  # case -> (stub build, error, what the message says)
+    "not cuDNN": (dict(header_version=(9, 19, 0), symbol=False), cudnn.CudnnRefused,
+                  r"libcudnn\.so\.9 is not a cuDNN \(it exports no cudnnGetVersion\); nothing was loaded"),
+    "9.14 by header": (dict(header_version=(9, 14, 0)), cudnn.CudnnRefused,
+                       r"cuDNN 9\.14\.0 in .* \(version from its header\) is not a fixed build.*"
+                       "nothing was loaded"),
+    "9.17.9 by file name": (dict(suffix="9.17.9"), cudnn.CudnnRefused,
+                            r"cuDNN 9\.17\.9 .*file name.* not a fixed build"),
+    "cuDNN 10": (dict(header_version=(10, 0, 0)), cudnn.CudnnRefused, r"cuDNN 10\.0\.0 .* not a fixed"),
+    "no version, strict": ({}, cudnn.CudnnRefused,
+                           r"can only be learned by loading it .* nothing was loaded"),
+    "a file not ELF": (dict(header_version=(9, 19, 0), edit=_not_elf), OSError,
+                       r"libcudnn_ops\.so\.9 is not an ELF shared library; nothing of cuDNN 9\.19\.0"),
+    "a file that fails to load": (dict(header_version=(9, 19, 0)), OSError,
+                                  r"could not load .*libcudnn_graph\.so\.9 .*0 of 8 files .*"
+                                  "would mix builds"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "case, strict",
+    [(c, strict) for c in REFUSED for strict in (True, False) if strict or "strict" not in c],
+)
+def test_a_build_known_wrong_is_refused_before_it_is_loaded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, case: str, strict: bool
+) -> None:
+    """Stubs (ELF magic, then the exported names): loading one would fail with an error of
+    its own, so each message shows the refusal came first. Not strict: the same reason is
+    logged at WARNING, and nothing is loaded either (a build of unknown version is loaded,
+    then asked: test_a_version_learned_by_loading_is_checked)."""
+    stub, error, message = REFUSED[case]
+    stub = dict(stub)
+    edit = stub.pop("edit", None)
+    lib = fb.stub_build(tmp_path / "given" / "lib", **stub)
+    if edit:
+        edit(lib)
+    if strict:
+        with pytest.raises(error, match=message):
+            cudnn.use_fixed_cudnn(str(tmp_path / "given"))
+    else:
+        with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
+            assert cudnn.use_fixed_cudnn(str(tmp_path / "given"), strict=False) is None
+        assert [r for r in caplog.records if re.search(message, r.getMessage())]
+    assert cudnn.route_state()["loaded"] == () and re.search(message, cudnn.route_state()["error"])
+
+
+@pytest.mark.parametrize("sub", ["", "lib", "lib64", "lib/x86_64-linux-gnu"])
+def test_a_given_folder_or_its_lib_folder(tmp_path: Path, sub: str) -> None:
+    lib = fb.stub_build(tmp_path / "cudnn" / sub, suffix="9.19.0")
+    build = cudnn._resolve_target(str(tmp_path / "cudnn"), None)
+    assert build.lib_dir == str(lib).rstrip(os.sep) and build.version == (9, 19, 0)
+
+
+@pytest.mark.parametrize(
+    "names, link, expected",
+    [
+        (["9.14.0", "9.19.0"], None, (9, 19, 0)),  # no libcudnn.so.9: the highest
+        (["9.10.0", "9.9.0"], None, (9, 10, 0)),  # compared as numbers, not as text
+        (["9.19.0", "9.14.0"], "9.14.0", (9, 14, 0)),  # the soname link, not a stale copy
+    ],
+)
+def test_file_name_version(
+    tmp_path: Path, names: List[str], link: Optional[str], expected: Tuple[int, ...]
+) -> None:
+    for name in names:
+        (tmp_path / f"libcudnn.so.{name}").write_bytes(b"")
+    if link:
+        (tmp_path / "libcudnn.so.9").symlink_to(f"libcudnn.so.{link}")
+    assert cudnn._file_name_version(str(tmp_path)) == expected
+
+
+@pytest.mark.parametrize(
+    "version, fixed",
+    [((9, 17, 9), False), ((9, 18, 0), True), ((9, 99, 9), True), ((10, 0, 0), False),
+     ((8, 9, 7), False), (None, False)],
+)  # fmt: skip
+def test_fixed_means_9_18_or_newer_within_cudnn_9(version, fixed: bool) -> None:
+    build = cudnn.CudnnBuild("/x", version, "wheel", "header")
+    assert build.fixed is fixed
+    assert cudnn.choose_fixed([build]) is (build if fixed else None)
+
+
+@pytest.mark.parametrize(
+    "te, strict, outcome",
+    [((9, 19, 0), True, True), ((9, 19, 1), True, ImportError), ((9, 19, 1), False, False),
+     ((9, 18, 0), False, False), (None, True, ImportError), (None, False, False)],
+)  # fmt: skip
+def test_verify_compares_major_minor_and_patch(
+    monkeypatch: pytest.MonkeyPatch, te, strict: bool, outcome
+) -> None:
+    build = cudnn.CudnnBuild("/x", (9, 19, 0), "wheel", "header")
+    cudnn._route.update(chosen=build, loaded=("/x/libcudnn.so.9",), strict=strict)
+    monkeypatch.setattr(cudnn, "te_cudnn_version", lambda: te)
+    if outcome is ImportError:
+        with pytest.raises(ImportError, match=r"loaded cuDNN 9\.19\.0 from /x, but Transformer"):
+            cudnn.verify_te_cudnn()
+    else:
+        assert cudnn.verify_te_cudnn() is outcome
+    assert cudnn.route_state()["verified"] is (outcome is True)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_failed_route_is_an_import_error_at_te_import_when_strict(
+    tmp_path: Path, strict: bool
+) -> None:
+    with pytest.raises(FileNotFoundError) if strict else contextlib.nullcontext():
+        cudnn.use_fixed_cudnn(str(tmp_path), strict=strict)
+    if strict:
+        with pytest.raises(ImportError, match=r"\(strict\) failed: .*libcudnn\.so\.9"):
+            cudnn.verify_te_cudnn()
+    else:
+        assert cudnn.verify_te_cudnn() is None
+
+
+@pytest.mark.parametrize(
     "value, expected",
     [
         (None, (None, False)),
@@ -143,16 +302,6 @@ def test_a_folder_without_cudnn_is_refused(tmp_path: Path) -> None:
 )
 def test_parse_setting(value: Optional[str], expected: Tuple[Optional[str], bool]) -> None:
     assert cudnn.parse_setting(value) == expected
-
-
-@pytest.mark.parametrize("value", ["atuo", "stirct", "cudnn", "strict:"])
-def test_parse_setting_refuses_a_typo_naming_variable_value_and_choices(value: str) -> None:
-    # Before: any unknown word was a folder, failing later as a missing cuDNN (or, in the
-    # start-up hook, a warning); "atuo" must never be read as a path.
-    with pytest.raises(SettingError) as err:
-        cudnn.parse_setting(value)
-    text = str(err.value)
-    assert f"TE_GQA_FIX_CUDNN={value!r}" in text and "'auto'" in text and "a folder" in text
 
 
 def test_pip_hint_names_both_cuda_wheels() -> None:
@@ -207,22 +356,54 @@ def test_the_first_global_copy_wins(builds: Dict[str, Path], tmp_path: Path, pre
 
 @needs_cc
 def test_refuses_once_a_cudnn_is_loaded(builds: Dict[str, Path], tmp_path: Path) -> None:
-    system = builds["system"] / "lib" / "libcudnn.so.9"
+    fixed = builds["fixed"] / "nvidia" / "cudnn" / "lib"
     code = (
-        f"import ctypes\nctypes.CDLL({str(system)!r}, mode=ctypes.RTLD_GLOBAL)\n"
+        f"import ctypes\nctypes.CDLL({str(fixed / 'libcudnn.so.9')!r}, mode=ctypes.RTLD_GLOBAL)\n"
         "from te_gqa_fix.cudnn import use_fixed_cudnn, CudnnAlreadyLoaded\n"
         "try:\n"
-        f"    use_fixed_cudnn('auto', search_path=[{str(builds['fixed'])!r}])\n"
+        f"    use_fixed_cudnn('auto', search_path=[{str(builds['newest'])!r}])\n"
         "except CudnnAlreadyLoaded as exc:\n    print('REFUSED', exc)\n"
         "else:\n    print('LOADED')\n"
         # the same build twice is fine
-        f"use_fixed_cudnn({str(builds['system'] / 'lib')!r})\nprint('SAME OK')\n"
+        f"use_fixed_cudnn({str(fixed)!r})\nprint('SAME OK')\n"
     )
     proc = run_python(code, {}, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "REFUSED" in proc.stdout and "before torch and Transformer Engine" in proc.stdout
-    assert str(system) in proc.stdout
+    assert str(fixed / "libcudnn.so.9") in proc.stdout
     assert "SAME OK" in proc.stdout
+
+
+@needs_cc
+@pytest.mark.parametrize(
+    "version, suffix, strict, printed",
+    [
+        # no version on disk: loaded (not strict), then asked
+        ((9, 21, 0), "9", False, "VERSION (9, 21, 0) cudnnGetVersion 9.21.0"),
+        ((9, 14, 0), "9", False, "NONE te_gqa_fix: cuDNN 9.14.0 in {lib} (version from its cudnnGetVersion) "
+         "is not a fixed build: the route loads cuDNN 9.18 or newer within cuDNN 9 (learned by "
+         "loading it); it is loaded in this process now"),
+        # a file name that lies: found out once loaded, said so
+        ((9, 14, 0), "9.19.0", True, "RAISED te_gqa_fix: {lib}/libcudnn.so.9 reports cuDNN "
+         "9.14.0, not the 9.19.0 its file name names; it is loaded in this process now"),
+    ],
+)  # fmt: skip
+def test_a_version_learned_by_loading_is_checked(
+    tmp_path: Path, version: Tuple[int, int, int], suffix: str, strict: bool, printed: str
+) -> None:
+    lib = fb.write_libs(tmp_path / "given" / "lib", version, suffix=suffix, subs=False)
+    code = (
+        "import logging, sys\nfrom te_gqa_fix import cudnn\n"
+        "logging.basicConfig(stream=sys.stdout, format='WARN %(message)s')\n"
+        "try:\n"
+        f"    b = cudnn.use_fixed_cudnn({str(lib.parent)!r}, strict={strict})\n"
+        "except LookupError as exc:\n    print('RAISED', exc)\nelse:\n"
+        "    state = cudnn.route_state()\n"
+        "    print(*(('VERSION', b.version, b.how, state['chosen_version']) if b else "
+        "('NONE', state['error'])))\n"
+    )
+    proc = run_python(code, {}, tmp_path)
+    assert printed.format(lib=lib) in proc.stdout, proc.stdout + proc.stderr
 
 
 # ----------------------------------------------------------------------------- start-up hook
@@ -281,23 +462,6 @@ def test_off_imports_nothing_and_loads_nothing(
     assert not any(out["early"].values()), out["early"]
     assert out["route"] is None
     assert out["te"] == [9, 14, 0]  # TE runs the system copy it loaded itself
-    assert all("site_fixed" not in p for p in out["maps"])
-
-
-@needs_cc
-def test_a_mistyped_value_is_an_error_and_the_route_stays_off(
-    builds: Dict[str, Path], tmp_path: Path
-) -> None:
-    """``atuo`` is logged at ERROR naming variable, value and choices; nothing is loaded
-    and the program (which may never use TE) runs on with TE's own cuDNN."""
-    env = _hook_env(builds, tmp_path, **{cudnn.ENV_CUDNN: "atuo"})
-    proc = run_python(PROBE, env, tmp_path)
-    out = probe(proc)
-    assert "LOG ERROR te_gqa_fix: TE_GQA_FIX_CUDNN='atuo' is not an accepted value" in proc.stdout
-    assert "'auto'" in proc.stdout and "'strict'" in proc.stdout
-    assert out["early"]["torch"] is False and out["early"]["te_gqa_fix.cudnn"] is False
-    assert out["route"] is None
-    assert out["te"] == [9, 14, 0]
     assert all("site_fixed" not in p for p in out["maps"])
 
 
@@ -464,46 +628,6 @@ def test_strict_failure_stays_a_failure_on_every_import(
     proc = run_python(code, env, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "RAISED 1 True" in proc.stdout and "RAISED 2 True" in proc.stdout, proc.stdout
-
-
-@needs_cc
-def test_a_file_that_cannot_be_loaded_is_named(builds: Dict[str, Path], tmp_path: Path) -> None:
-    site = tmp_path / "site_bad"
-    lib = fb.wheel_build(site, (9, 19, 0))
-    (lib / "libcudnn_ops.so.9").write_text("not an ELF file")
-    code = (
-        "from te_gqa_fix.cudnn import use_fixed_cudnn\n"
-        "try:\n"
-        f"    use_fixed_cudnn('auto', search_path=[{str(site)!r}])\n"
-        "except OSError as exc:\n    print('RAISED', exc)\n"
-    )
-    proc = run_python(code, {}, tmp_path)
-    assert "RAISED" in proc.stdout, proc.stdout + proc.stderr
-    assert "libcudnn_ops.so.9" in proc.stdout and "would mix builds" in proc.stdout
-
-
-@needs_cc
-def test_a_folder_without_a_version_is_asked_once_loaded(
-    builds: Dict[str, Path], tmp_path: Path
-) -> None:
-    lib = builds["anon"] / "nvidia" / "cudnn" / "lib"  # 9.21.0, no header, no metadata
-    code = (
-        "from te_gqa_fix import cudnn\n"
-        f"b = cudnn.use_fixed_cudnn({str(lib)!r})\n"
-        "print('VERSION', b.version, b.how, cudnn.route_state()['chosen_version'])\n"
-    )
-    proc = run_python(code, {}, tmp_path)
-    assert "VERSION (9, 21, 0) cudnnGetVersion 9.21.0" in proc.stdout, proc.stdout + proc.stderr
-
-
-@needs_cc
-def test_file_name_version_follows_the_soname_link(tmp_path: Path) -> None:
-    lib = fb.system_build(tmp_path / "sys", (9, 14, 0))
-    (lib / "libcudnn.so.9.19.0").write_text("a stale copy left next to the live one")
-    (build,) = cudnn.find_system_builds(
-        {"CUDNN_HOME": str(tmp_path / "sys"), "LD_LIBRARY_PATH": ""}
-    )[:1]
-    assert build.version == (9, 14, 0)
 
 
 @needs_cc

@@ -24,6 +24,7 @@ __all__ = [
     "CUDNN_FIXED",
     "ENV_CUDNN",
     "CudnnAlreadyLoaded",
+    "CudnnRefused",
     "choose_fixed",
     "find_builds",
     "route_state",
@@ -176,16 +177,52 @@ def _one_per_folder(items: Iterable[Any], folder=lambda x: x) -> List[Any]:
     return list(out.values())
 
 
+def _site_folders(search_path: Any) -> Optional[List[str]]:
+    """``search_path`` as a list of folder names (None stays None); a ``TypeError`` naming
+    ``search_path`` for a single str or path (whose characters would read as folders) or
+    for an item that is not a path."""
+    if search_path is None:
+        return None
+    what = "a list of site folders (str or os.PathLike)"
+    if isinstance(search_path, (str, bytes, os.PathLike)):
+        raise TypeError(
+            f"te_gqa_fix: search_path: expected {what}, got the single {_shown(search_path)}: "
+            f"wrap one folder in a list ([{_shown(search_path)}])"
+        )
+    try:
+        items = list(search_path)
+    except TypeError:
+        raise TypeError(
+            f"te_gqa_fix: search_path: expected {what}, got {type(search_path).__name__}"
+        ) from None
+    folders = [os.fspath(d) if isinstance(d, os.PathLike) else d for d in items]
+    bad = next((i for i, d in enumerate(folders) if not isinstance(d, str)), None)
+    if bad is not None:
+        raise TypeError(
+            f"te_gqa_fix: search_path[{bad}]: expected a folder (str or os.PathLike), got "
+            f"{type(items[bad]).__name__} {_shown(items[bad])}"
+        )
+    return folders
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a message never echoes a huge value)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}...({len(text)} chars)"
+
+
 def find_wheel_builds(search_path: Optional[Sequence[str]] = None) -> List[CudnnBuild]:
     """cuDNN builds installed by wheels; nothing is loaded.
 
     Args:
-        search_path: site folders to search (default: ``sys.path`` and the site folders).
+        search_path: site folders to search (default: ``sys.path`` and the site folders);
+            a single str is refused (``TypeError``), not read as one folder per character.
 
     Returns:
         One build per layout found, its version from the header, dist-info or file name.
     """
-    dirs = list(search_path) if search_path is not None else [p for p in sys.path if p]
+    given = _site_folders(search_path)
+    dirs = given if given is not None else [p for p in sys.path if p]
     if search_path is None:
         try:
             dirs += [*site.getsitepackages(), site.getusersitepackages()]
@@ -307,6 +344,11 @@ class CudnnAlreadyLoaded(RuntimeError):
     """A cuDNN is already mapped into the process: loading another now would mix builds."""
 
 
+class CudnnRefused(LookupError):
+    """The route will not load (or keep) a build: it is not a cuDNN, not a fixed cuDNN 9
+    (9.18 <= version < 10), or, under strict, its version cannot be read without loading."""
+
+
 #: What the route did in this process (doctor and tests read it through route_state).
 _START = dict(setting=None, strict=False, chosen=None, error=None, te_cudnn=None, verified=None)
 _route: Dict[str, Any] = {**_START, "loaded": (), "seen": ()}
@@ -364,6 +406,12 @@ def load_build(build: CudnnBuild) -> Tuple[str, ...]:
     files = build.libraries()
     if not any(os.path.basename(f).startswith("libcudnn.so") for f in files):
         raise FileNotFoundError(f"te_gqa_fix: no libcudnn.so.9 in {build.lib_dir}")
+    for path in files:
+        if _elf_symbols(path, ()) is None:
+            raise OSError(
+                f"te_gqa_fix: {path} is not an ELF shared library; nothing of cuDNN "
+                f"{build.version_str} in {build.lib_dir} was loaded: fix or remove that folder"
+            )
     for i, path in enumerate(files):
         try:
             ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
@@ -374,6 +422,35 @@ def load_build(build: CudnnBuild) -> Tuple[str, ...]:
                 "fix or remove that folder, or unset the setting"
             ) from exc
     return tuple(files)
+
+
+#: Bytes of a library scanned for its exported names (cuDNN's ``libcudnn.so.9`` is a small
+#: shim: its dynamic string table lies well inside this).
+_SCAN_BYTES = 64 << 20
+
+
+def _elf_symbols(path: str, names: Sequence[bytes]) -> Optional[set]:
+    """Which of ``names`` occur as NUL-terminated strings in the ELF file ``path`` (its
+    dynamic string table holds every exported name); None when ``path`` is not an ELF file
+    or cannot be read. Nothing is loaded."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"\x7fELF":
+                return None
+            found: set = set()
+            tail = b""
+            if not names:
+                return found
+            for _ in range(_SCAN_BYTES >> 20):
+                chunk = f.read(1 << 20)
+                if not chunk:
+                    break
+                data = tail + chunk
+                found.update(n for n in names if b"\0" + n + b"\0" in data)
+                tail = data[-256:]
+            return found
+    except OSError:
+        return None
 
 
 def _resolve_target(target: str, search_path: Optional[Sequence[str]]) -> CudnnBuild:
@@ -395,8 +472,90 @@ def _resolve_target(target: str, search_path: Optional[Sequence[str]]) -> CudnnB
             f"te_gqa_fix: {ENV_CUDNN}={target!r}: expected a folder holding libcudnn.so.9 "
             "(or its lib/ or lib64/), found none"
         )
-    known = (b for b in find_builds() if os.path.realpath(b.lib_dir) == os.path.realpath(lib_dir))
+    real = os.path.realpath(lib_dir)
+    site_dir, nvidia, _ = real.rpartition(f"{os.sep}nvidia{os.sep}")  # a wheel's own folder
+    builds = [*(find_wheel_builds([site_dir]) if nvidia else ()), *find_builds()]
+    known = (b for b in builds if os.path.realpath(b.lib_dir) == real)
     return next(known, None) or _local_build(lib_dir, "given")
+
+
+def _not_fixed(build: CudnnBuild) -> str:
+    return (
+        f"te_gqa_fix: cuDNN {build.version_str} in {build.lib_dir} (version from its "
+        f"{build.how}) is not a fixed build: the route loads cuDNN 9.18 or newer within cuDNN 9"
+    )
+
+
+def _check_before_loading(build: CudnnBuild, strict: bool) -> None:
+    """Refuse, before anything is loaded, a build known to be wrong (always) or, when
+    ``strict``, one whose version cannot be read without loading it."""
+    if build.version is not None and not build.fixed:
+        raise CudnnRefused(f"{_not_fixed(build)}; nothing was loaded")
+    main = next((f for f in build.libraries() if os.path.basename(f).startswith("libcudnn.so")), "")
+    symbols = _elf_symbols(main, (b"cudnnGetVersion",)) if main else None
+    if symbols is not None and not symbols:
+        raise CudnnRefused(
+            f"te_gqa_fix: {main} is not a cuDNN (it exports no cudnnGetVersion); nothing was "
+            "loaded: point the setting at a cuDNN 9.18 or newer"
+        )
+    if build.version is None and strict:
+        raise CudnnRefused(
+            f"te_gqa_fix: the version of the cuDNN in {build.lib_dir} can only be learned by "
+            "loading it (no version in its file names, no include/cudnn_version.h, no wheel "
+            "metadata), and strict loads only a build known to be 9.18 or newer; nothing was "
+            "loaded: name a folder whose version can be read, or pass strict=False (a "
+            f"{ENV_CUDNN} folder without 'strict:') to load it and check cudnnGetVersion"
+        )
+
+
+def _check_loaded(build: CudnnBuild, files: Sequence[str]) -> CudnnBuild:
+    """``build`` with the version the loaded ``libcudnn.so.9`` reports; ``CudnnRefused``
+    (saying it is loaded now) when that is unknown, differs from what was read on disk, or
+    is not fixed."""
+    found = version_tuple(_ctypes_version(files[-1]))
+    loaded = f"it is loaded in this process now, so start a new process without {ENV_CUDNN}"
+    if found is None:
+        raise CudnnRefused(f"te_gqa_fix: cudnnGetVersion of {files[-1]} failed; {loaded}")
+    if build.version is not None and tuple(found[:3]) != build.version:
+        raise CudnnRefused(
+            f"te_gqa_fix: {files[-1]} reports cuDNN {version_str(found[:3])}, not the "
+            f"{build.version_str} its {build.how} names; {loaded}"
+        )
+    build = replace(
+        build, version=tuple(found[:3]), how=build.how if build.version else "cudnnGetVersion"
+    )
+    if not build.fixed:
+        raise CudnnRefused(f"{_not_fixed(build)} (learned by loading it); {loaded}")
+    return build
+
+
+def _where(where: Any) -> str:
+    """``use_fixed_cudnn``'s ``where`` as ``"auto"`` or a folder; ``TypeError``/``ValueError``
+    naming ``where`` otherwise. A str is ``auto`` in any case (as the setting); a path object
+    is always a folder."""
+    what = "'auto' or a folder path (str or os.PathLike)"
+    if isinstance(where, os.PathLike):
+        folder = os.fspath(where)
+        if isinstance(folder, str) and folder:
+            return folder
+    if not isinstance(where, str):
+        raise TypeError(
+            f"te_gqa_fix: use_fixed_cudnn: where: expected {what}, got "
+            f"{type(where).__name__} {_shown(where)}"
+        )
+    key = where.strip().lower()
+    if key == "auto":
+        return "auto"
+    if key == "strict" or key.startswith("strict:"):
+        folder = where.strip()[len("strict:") :] or "auto"
+        raise ValueError(
+            f"te_gqa_fix: use_fixed_cudnn: where={_shown(where)}: 'strict' and 'strict:FOLDER' "
+            f"are {ENV_CUDNN}'s spellings; here strictness is the strict= keyword (default "
+            f"True): call use_fixed_cudnn({folder!r}, strict=True)"
+        )
+    if not key:
+        raise ValueError(f"te_gqa_fix: use_fixed_cudnn: where: expected {what}, got {where!r}")
+    return where
 
 
 def use_fixed_cudnn(
@@ -405,27 +564,37 @@ def use_fixed_cudnn(
     """Make Transformer Engine run a fixed cuDNN: call first thing, before torch or TE.
 
     Args:
-        where: ``"auto"`` (the newest cuDNN >= 9.18 among this environment's wheels) or a folder.
-        strict: raise on failure (``LookupError``, ``OSError``, :class:`CudnnAlreadyLoaded`);
-            otherwise log it at WARNING and return None.
-        search_path: site folders for ``"auto"`` (default: ``sys.path``).
+        where: ``"auto"`` (any case: the newest cuDNN >= 9.18 among this environment's
+            wheels) or a folder (str or ``os.PathLike``); ``"strict:FOLDER"`` is refused
+            with a ``ValueError`` (strictness is ``strict=``).
+        strict: raise on failure (``LookupError`` such as :class:`CudnnRefused`, ``OSError``,
+            :class:`CudnnAlreadyLoaded`), and load only a build whose version is known to be
+            fixed before it is loaded; otherwise log the failure at WARNING and return None.
+            Either way a build known not to be a fixed cuDNN 9 is never loaded.
+        search_path: site folders for ``"auto"`` (default: ``sys.path``); a list, never a
+            single str.
 
     Returns:
         The build loaded (``RTLD_GLOBAL``, so TE binds to it whatever it loads later).
+
+    Raises:
+        TypeError, ValueError: bad arguments, whatever ``strict`` says, before anything else.
     """
-    _route.update(setting=where, strict=strict, error=None)
+    target = _where(where)
+    if not isinstance(strict, bool):
+        raise TypeError(f"te_gqa_fix: use_fixed_cudnn: strict: expected a bool, got {strict!r}")
+    folders = _site_folders(search_path)
+    if folders is not None and target != "auto":
+        raise ValueError(
+            "te_gqa_fix: use_fixed_cudnn: search_path is only read for where='auto', "
+            f"not for the folder {target!r}"
+        )
+    _route.update(setting=target, strict=strict, error=None)
     try:
-        build = _route["chosen"] = _resolve_target(where, search_path)
-        if not build.fixed:
-            _log.warning(
-                f"te_gqa_fix: {ENV_CUDNN}={where}: cuDNN {build.version_str} in {build.lib_dir} "
-                "is not known to be fixed (9.18 or newer)"
-            )
-        _route["loaded"] = load_build(build)
-        if build.version is None:  # a folder that names no version: ask the loaded library
-            found = version_tuple(_ctypes_version(os.path.join(build.lib_dir, "libcudnn.so.9")))
-            if found:
-                build = _route["chosen"] = replace(build, version=found, how="cudnnGetVersion")
+        build = _route["chosen"] = _resolve_target(target, folders)
+        _check_before_loading(build, strict)
+        files = _route["loaded"] = load_build(build)
+        build = _route["chosen"] = _check_loaded(build, files)
     except (LookupError, OSError, CudnnAlreadyLoaded) as exc:
         _route["error"] = str(exc)
         if strict:
@@ -433,7 +602,7 @@ def use_fixed_cudnn(
         _log.warning("%s; Transformer Engine keeps the cuDNN it finds itself", exc)
         return None
     _log.info(
-        f"te_gqa_fix: loaded cuDNN {build.version_str} from {build.lib_dir} ({ENV_CUDNN}={where})"
+        f"te_gqa_fix: loaded cuDNN {build.version_str} from {build.lib_dir} ({ENV_CUDNN}={target})"
     )
     return build
 

@@ -103,8 +103,20 @@ def parse(name: str, raw: Optional[str]) -> str:
     accepted = ", ".join(sorted({repr(s) for s in spellings if s}))
     extra = ", a folder, 'strict:FOLDER'" if name == "TE_GQA_FIX_CUDNN" else ""
     raise SettingError(
-        f"{name}={raw!r} is not an accepted value; expected one of {accepted}{extra}"
+        f"{name}={shown(raw)} is not an accepted value; expected one of {accepted}{extra}"
     )
+
+
+#: How much of a value a message echoes (the start-up hook logs it in every process).
+SHOWN_CHARS = 80
+
+
+def shown(raw: str) -> str:
+    """``repr(raw)``, or for a value over :data:`SHOWN_CHARS` characters the repr of its
+    start and its length: ``'aaaa...'...(100000 chars)``."""
+    if len(raw) <= SHOWN_CHARS:
+        return repr(raw)
+    return f"{raw[:SHOWN_CHARS]!r}...({len(raw)} chars)"
 
 
 def get(name: str, environ: Optional[Mapping[str, str]] = None) -> str:

@@ -49,11 +49,14 @@ def encode(version: Tuple[int, int, int]) -> int:
     return version[0] * 10000 + version[1] * 100 + version[2]
 
 
-def write_libs(lib_dir: Path, version: Tuple[int, int, int], suffix: str = "9") -> Path:
+def write_libs(
+    lib_dir: Path, version: Tuple[int, int, int], suffix: str = "9", subs: bool = True
+) -> Path:
     """Compile the eight libraries of one build into ``lib_dir`` (file names end in
-    ``.so.<suffix>``; ``9.14.0`` gives system-style names, with a ``.so.9`` link)."""
+    ``.so.<suffix>``; ``9.14.0`` gives system-style names, with a ``.so.9`` link); only
+    ``libcudnn`` when not ``subs``."""
     lib_dir.mkdir(parents=True, exist_ok=True)
-    for name in SUB_LIBRARIES:
+    for name in SUB_LIBRARIES if subs else ():
         _compile(lib_dir / f"{name}.so.{suffix}", f"{name}.so.9", f"int {name}_marker = 1;\n")
     _compile(
         lib_dir / f"libcudnn.so.{suffix}",
@@ -61,7 +64,7 @@ def write_libs(lib_dir: Path, version: Tuple[int, int, int], suffix: str = "9") 
         f"#include <stddef.h>\nsize_t cudnnGetVersion(void) {{ return {encode(version)}; }}\n",
     )
     if suffix != "9":
-        for name in (*SUB_LIBRARIES, "libcudnn"):
+        for name in (*(SUB_LIBRARIES if subs else ()), "libcudnn"):
             (lib_dir / f"{name}.so.9").symlink_to(f"{name}.so.{suffix}")
     return lib_dir
 
@@ -111,3 +114,26 @@ def loader_te(root: Path) -> Path:
     init = root / "transformer_engine" / "pytorch" / "__init__.py"
     init.write_text("from .utils import get_cudnn_version  # noqa: F401\n")
     return root
+
+
+def stub_build(
+    lib_dir: Path,
+    suffix: str = "9",
+    header_version: Optional[Tuple[int, int, int]] = None,
+    symbol: bool = True,
+    sub_libraries: bool = True,
+) -> Path:
+    """A build on disk that can never be loaded: ELF magic, then the exported names a real
+    ``libcudnn.so.9`` holds (``cudnnGetVersion`` unless ``symbol`` is False). For the checks
+    that must refuse before loading: loading one fails with an OSError of its own. Names end
+    in ``.so.<suffix>``, with a ``.so.9`` link when ``suffix`` is a full version."""
+    lib_dir.mkdir(parents=True, exist_ok=True)
+    names = (*SUB_LIBRARIES, "libcudnn") if sub_libraries else ("libcudnn",)
+    for name in names:
+        exported = b"\0cudnnGetVersion\0" if name == "libcudnn" and symbol else b"\0x\0"
+        (lib_dir / f"{name}.so.{suffix}").write_bytes(b"\x7fELF" + b"\0" * 60 + exported)
+        if suffix != "9":
+            (lib_dir / f"{name}.so.9").symlink_to(f"{name}.so.{suffix}")
+    if header_version is not None:
+        header(lib_dir.parent / "include", header_version)
+    return lib_dir

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
@@ -24,6 +25,27 @@ _PLAN_OPTIONS = {
     "--rows-q": ("rows_q", "N", "rows of the dQ buffer (default: the last offset)"),
     "--rows-kv": ("rows_kv", "N", "rows of the dK/dV buffers (default: the last offset)"),
 }
+
+
+#: The head dims TE's fused attention takes on the cuDNN backend (the one this fix is
+#: about): 1..256; TE runs larger head dims on other backends, which the bug does not touch.
+HEAD_DIMS = range(1, 257)
+#: An integer as plan and doctor accept it: ASCII digits, an optional leading "-" (no "_",
+#: no "+", no other scripts' digits, which ``int()`` would take).
+INTEGER = re.compile(r"-?[0-9]+")
+
+
+def head_dim(text: str) -> int:
+    """``--head-dim``'s value: an integer in :data:`HEAD_DIMS`; argparse names the option."""
+    if not INTEGER.fullmatch(text.strip()):
+        raise argparse.ArgumentTypeError(f"expected an integer head dim, got {text!r}")
+    value = int(text)
+    if value not in HEAD_DIMS:
+        raise argparse.ArgumentTypeError(
+            f"expected a head dim in {HEAD_DIMS.start}..{HEAD_DIMS.stop - 1} (what TE's fused "
+            f"attention takes on cuDNN), got {value}"
+        )
+    return value
 
 
 def fallback_coverage() -> List[str]:
@@ -58,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor.add_argument("--json", action="store_true", help="print JSON instead of text")
     doctor.add_argument("--no-live", action="store_true", help="skip the live GPU check")
-    doctor.add_argument("--head-dim", type=int, metavar="D", help="your model's head dim")
+    doctor.add_argument(
+        "--head-dim", type=head_dim, metavar="D", help="your model's head dim (1..256)"
+    )
     plan = sub.add_parser(
         "plan",
         help="show which dK/dV/dQ rows the post-pass zeroes for a batch, and why",

@@ -16,12 +16,15 @@ import torch
 from ..masks import check_mask_arguments, key_interval, key_span
 from ..postpass import dead_row_masks
 from ..validation import check_offsets, check_values
-from . import fallback_coverage
+from . import INTEGER, fallback_coverage
 
 __all__ = ["Plan", "PlanInput", "build_plan", "format_plan", "plan_from_json", "plan_input"]
 
 #: plan lists every row; 2**22 rows per buffer already make about 100 MB of JSON.
 MAX_ROWS = 1 << 22
+#: The largest window side plan takes: like the offsets, int32 (a window of 2**31 - 1 keys
+#: already spans any sequence; far larger ones overflow the post-pass's int64 arithmetic).
+MAX_WINDOW = 2**31 - 1
 _OFFSETS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
 
 #: Each row's code (stable: the JSON output and tests use it) -> the reason it is given.
@@ -164,13 +167,32 @@ def _rows(value: Any, name: str) -> int:
     return value
 
 
+def _window(value: Any) -> None:
+    """Raise ``ValueError`` naming ``window_size`` for a side past :data:`MAX_WINDOW` (the
+    rest of its checks are the mask gate's)."""
+    if isinstance(value, (list, tuple)) and len(value) == 2 and _all_ints(value):
+        if any(x > MAX_WINDOW for x in value):
+            raise ValueError(
+                f"window_size: expected two integers in -1..{MAX_WINDOW} (-1: unbounded), "
+                f"got {tuple(value)}"
+            )
+
+
+def _integer(text: str) -> int:
+    """An ASCII decimal integer (optional leading "-", spaces around): ``int()`` alone
+    would also take ``1_0``, ``+3`` and other scripts' digits."""
+    if not INTEGER.fullmatch(text.strip(" \t")):
+        raise ValueError(text)
+    return int(text)
+
+
 def _parse_text(name: str, text: str) -> Any:
     """One command-line value, parsed for field ``name``; errors name the field."""
     try:
         if name in _OFFSETS or name == "window_size":
-            return tuple(int(x) for x in text.strip().strip("[]").split(","))
+            return tuple(_integer(x) for x in text.strip().strip("[]").split(","))
         if name in ("rows_q", "rows_kv"):
-            return int(text)
+            return _integer(text)
         if name == "bottom_right_diagonal":
             return {"true": True, "false": False}[text.strip().lower()]
     except (KeyError, ValueError):
@@ -208,6 +230,8 @@ def plan_from_json(text: str) -> PlanInput:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"--file: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ValueError("--file: JSON nested too deeply (plan takes flat lists)") from None
     if not isinstance(data, dict):
         raise ValueError(f"--file: expected a JSON object, got {type(data).__name__}")
     known = sorted(PlanInput.__dataclass_fields__)
@@ -240,6 +264,7 @@ def build_plan(inp: PlanInput) -> Plan:
         None if getattr(inp, n) is None and i > 1 else _ints(getattr(inp, n), n)
         for i, n in enumerate(_OFFSETS)
     ]
+    _window(inp.window_size)
     check_mask_arguments(inp.attn_mask_type, inp.window_size, inp.bottom_right_diagonal)
     rows = []
     for side, name in enumerate(("rows_q", "rows_kv")):

@@ -1,0 +1,154 @@
+"""Every ``TE_GQA_FIX_*`` setting: its accepted spellings, and a typo, read where it is used.
+
+One table of typos per variable: each must be a :class:`SettingError` naming the variable,
+the value (cut when long) and what is accepted, at every place the variable is read: the
+wrapper and the post-pass raise before TE runs, the start-up line logs it at ERROR and
+stays off, and ``doctor`` shows it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import pytest
+
+import _te_gqa_fix_autopatch as boot
+from fakes.oracle import make_ragged
+from fakes.te_outputs import FakeTE, call_arguments
+from te_gqa_fix import affected, cudnn, settings, stack, zero_dead_rows
+from te_gqa_fix import wrapper as wrapper_module
+from te_gqa_fix.cli import doctor, report
+from te_gqa_fix.settings import SETTINGS, SettingError
+from te_gqa_fix.stack import RuntimeFacts
+
+RAGGED = make_ragged([(2, 3), (0, 2), (3, 1)], gaps_kv=[1, 0, 1], lead_kv=1, tail_kv=1)
+LONG = "x" * 100_000  # a pasted file: echoed in full at every interpreter start, before
+
+
+@pytest.mark.parametrize(
+    "name, raw, expected",
+    [
+        ("TE_GQA_FIX", None, "auto"),
+        ("TE_GQA_FIX", "", "auto"),
+        ("TE_GQA_FIX", "gqa", "auto"),
+        ("TE_GQA_FIX", " ALWAYS ", "always"),
+        ("TE_GQA_FIX", "all", "always"),
+        ("TE_GQA_FIX", "Disabled", "off"),
+        ("TE_GQA_FIX", "no", "off"),
+        ("TE_GQA_FIX_GUARD", None, "fallback"),
+        ("TE_GQA_FIX_GUARD", "", "fallback"),  # an empty value reads as the default
+        ("TE_GQA_FIX_GUARD", "Warn", "warn"),
+        ("TE_GQA_FIX_GUARD", "0", "off"),
+        ("TE_GQA_FIX_VALIDATE", "", "off"),
+        ("TE_GQA_FIX_VALIDATE", "true", "on"),
+        ("TE_GQA_FIX_AUTOPATCH", "1", "on"),
+        ("TE_GQA_FIX_AUTOPATCH", "STRICT", "strict"),
+        ("TE_GQA_FIX_CUDNN", "yes", "auto"),
+        ("TE_GQA_FIX_CUDNN", "strict", "strict"),
+        ("TE_GQA_FIX_CUDNN", ".", "."),
+        ("TE_GQA_FIX_CUDNN", "..", ".."),
+        ("TE_GQA_FIX_CUDNN", " /opt/cudnn ", "/opt/cudnn"),
+        ("TE_GQA_FIX_CUDNN", "strict:.", "strict:."),
+        ("TE_GQA_FIX_CUDNN", "STRICT:/opt/cudnn", "STRICT:/opt/cudnn"),
+    ],
+)
+def test_accepted_values(
+    monkeypatch: pytest.MonkeyPatch, name: str, raw: Optional[str], expected: str
+) -> None:
+    if raw is not None:
+        monkeypatch.setenv(name, raw)
+    assert settings.get(name) == expected
+
+
+def _wrapper_call(monkeypatch: pytest.MonkeyPatch, head_dim: int) -> Callable[[], List]:
+    """A wrapped fake TE on an affected Hopper stack; returns the backend's calls."""
+    monkeypatch.setattr(wrapper_module, "_device_index", lambda q: 0)
+    monkeypatch.setattr(
+        affected, "runtime_facts", lambda index=None: RuntimeFacts((9, 0), (9, 14, 0))
+    )
+    affected.reset()
+    fake = FakeTE("2.20")
+    wrapped = wrapper_module.wrapper_for(fake.fn)
+    for _ in range(2):  # every call, not only the first
+        with pytest.raises(SettingError):
+            wrapped(**call_arguments("2.20", RAGGED, head_dim=head_dim))
+    return fake.backend.calls
+
+
+def _post_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    i32 = dict(dtype=torch.int32)
+    cu_q, cu_kv = torch.tensor([0, 0, 2], **i32), torch.tensor([0, 2, 4], **i32)
+    with pytest.raises(SettingError):
+        zero_dead_rows(None, torch.ones(4, 1, 1), torch.ones(4, 1, 1), cu_q, cu_kv)
+
+
+def _start_up_line(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> str:
+    """Run the shipped ``.pth`` line here; it must log one ERROR and put no hook in place."""
+    ours = (boot._MARKER, boot._CUDNN_MARKER)
+    kept = [f for f in sys.meta_path if not any(getattr(f, m, False) for m in ours)]
+    monkeypatch.setattr(sys, "meta_path", kept)
+    fresh = dict(fired=False, sites=None, error=None, activated_by=None, cudnn_route=False)
+    monkeypatch.setattr(boot, "_state", fresh)
+    pth = Path(boot.__file__).with_name(boot.PTH_NAME).read_text()
+    (line,) = [ln for ln in pth.splitlines() if ln.startswith("import")]
+    with caplog.at_level(logging.ERROR, logger="te_gqa_fix"):
+        exec(line, {})
+    (record,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert not boot._hooks() and not boot._hooks(boot._CUDNN_MARKER)
+    assert boot.state()["cudnn_route"] is False and boot.state()["activated_by"] is None
+    return record.getMessage()
+
+
+#: variable -> typos, each once read as something the user did not ask for.
+#: A value that looks like a path is a folder for TE_GQA_FIX_CUDNN only; 80 characters are
+#: echoed in full, 100,000 are cut.
+TYPOS: Dict[str, List[str]] = {
+    "TE_GQA_FIX": ["bogus", "alway", "true", "./auto", LONG],
+    "TE_GQA_FIX_GUARD": ["stirct", "raise", "warning", "/strict", "y" * 80],
+    "TE_GQA_FIX_VALIDATE": ["2", "onn", ".on", LONG],
+    "TE_GQA_FIX_AUTOPATCH": ["none", "stirct", "~/on", LONG],
+    "TE_GQA_FIX_CUDNN": ["atuo", "stirct", "cudnn", "strict:", "maybe", LONG],
+}
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [(n, v) for n in SETTINGS for v in TYPOS[n]],
+    ids=lambda x: x if len(x) < 30 else f"{len(x)}-chars",
+)
+def test_a_mistyped_setting_is_a_named_error_wherever_it_is_read(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, name: str, value: str
+) -> None:
+    """Before: stirct/raise meant warn, 2 meant off, none meant on, atuo was a folder, and a
+    long value was echoed in full in every process."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SettingError) as err:
+        settings.get(name)
+    message = str(err.value)
+    shown = repr(value) if len(value) <= 80 else f"{value[:80]!r}...({len(value)} chars)"
+    assert message.startswith(f"{name}={shown} is not an accepted value; expected one of ")
+    accepted = {s for s in SETTINGS[name][0] if s}
+    assert all(repr(s) in message for s in accepted) and len(message) < 400
+    assert ("a folder, 'strict:FOLDER'" in message) is (name == "TE_GQA_FIX_CUDNN")
+    # doctor shows it, as a setting and a warning
+    monkeypatch.setattr(stack, "te_info", lambda: {"imported": False, "error": "not here"})
+    monkeypatch.setattr(stack, "gpu_info", lambda: {"available": False})
+    monkeypatch.setattr(cudnn, "find_builds", lambda: [])
+    rep = doctor.collect(live=False)
+    assert rep["settings"][name]["error"] == message and message in rep["warnings"]
+    assert f"  {name:<20} ERROR: {message}" in report.format_report(rep)
+    # where the variable is read
+    if name in ("TE_GQA_FIX", "TE_GQA_FIX_GUARD"):  # the guard: at a head dim beyond repair
+        assert _wrapper_call(monkeypatch, 256 if name == "TE_GQA_FIX_GUARD" else 3) == []
+    elif name == "TE_GQA_FIX_VALIDATE":
+        _post_pass(monkeypatch)
+    else:
+        assert (
+            _start_up_line(monkeypatch, caplog)
+            == f"te_gqa_fix: {message}; the start-up hook ignores it (off)"
+        )
