@@ -32,6 +32,7 @@ def clean_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         if name.startswith("TE_GQA_FIX"):
             monkeypatch.delenv(name)
     monkeypatch.setattr(wrapper, "_wrappers", {})
+    monkeypatch.setattr(patch, "_lasting", False)
     _logging._reset_log_once()
     te_gqa_fix.reset_call_counts()
     affected.reset()

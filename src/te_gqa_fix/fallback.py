@@ -181,7 +181,7 @@ def _mask_reason(f: CallFacts) -> Union[str, Tuple[Tuple[int, int], bool]]:
     causal, bottom_right = MASKS[name]
     pair = window_pair(f.window_size)  # type: ignore[arg-type]
     if pair is None:
-        return f"window_size={f.window_size!r} is not two integers >= -1"
+        return f"window_size={f.window_size!r} is not two integers from -1 to 2**31 - 1"
     left, right = pair
     brd = f.bottom_right_diagonal
     if brd is not None and not isinstance(brd, bool):

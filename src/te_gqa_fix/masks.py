@@ -13,17 +13,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
 from ._logging import log_once
-
-# mask name -> (causal, bottom-right by name). THD masks are per sequence, so the
-# non-padding names behave as their padding twins (TE converts them the same way).
-_KNOWN_MASKS: dict[str, Tuple[bool, bool]] = {
-    "padding": (False, False),
-    "no_mask": (False, False),
-    "padding_causal": (True, False),
-    "causal": (True, False),
-    "padding_causal_bottom_right": (True, True),
-    "causal_bottom_right": (True, True),
-}
+from .te_names import MASKS as _KNOWN_MASKS
 
 KNOWN_MASK_TYPES: Tuple[str, ...] = tuple(_KNOWN_MASKS)
 

@@ -13,6 +13,8 @@ from typing import Dict, Optional
 
 import torch
 
+from .te_names import OFFSET_NAMES
+
 __all__ = [
     "ARGUMENT_BITS",
     "OffsetsError",
@@ -23,12 +25,7 @@ __all__ = [
 ]
 
 #: One bit per offset argument, in TE's names.
-ARGUMENT_BITS: Dict[str, int] = {
-    "cu_seqlens_q": 1,
-    "cu_seqlens_kv": 2,
-    "cu_seqlens_q_padded": 4,
-    "cu_seqlens_kv_padded": 8,
-}
+ARGUMENT_BITS: Dict[str, int] = {name: 1 << i for i, name in enumerate(OFFSET_NAMES)}
 
 
 class OffsetsError(ValueError):

@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 import torch
 
 from .offset_errors import OffsetsError
+from .te_names import OFFSET_NAMES
 
 __all__ = [
     "MAX_ROWS",
@@ -27,9 +28,6 @@ __all__ = [
 
 #: The most token rows a buffer may have: TE's offsets are int32.
 MAX_ROWS = 2**31 - 1
-
-
-_OFFSET_NAMES = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
 
 
 def _offsets(name: str, value: object, device: Optional[torch.device]) -> torch.Tensor:
@@ -79,7 +77,7 @@ def check_offsets(
     device = cu_q.device if device is None else device
     n = cu_q.numel()
     values = (cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
-    for name, value in zip(_OFFSET_NAMES[1:], values):
+    for name, value in zip(OFFSET_NAMES[1:], values):
         if value is None and name != "cu_seqlens_kv":
             continue
         t = _offsets(name, value, device)
