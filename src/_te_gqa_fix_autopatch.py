@@ -111,9 +111,14 @@ def _hooks(marker: str = _MARKER) -> list:
 
 
 def _remove(marker: str) -> bool:
+    """Take our hooks with ``marker`` off ``sys.meta_path``; True if there were any.
+
+    ``sys.meta_path`` is rebound to a new list, never edited in place: a hook removes itself
+    from inside ``find_spec``, while importlib iterates the old list, and an in-place removal
+    would make that import skip the finder behind the hook."""
     hooks = _hooks(marker)
-    for hook in hooks:
-        sys.meta_path.remove(hook)
+    if hooks:
+        sys.meta_path = [f for f in sys.meta_path if not getattr(f, marker, False)]
     return bool(hooks)
 
 

@@ -281,14 +281,44 @@ def test_strict_with_te_already_imported_raises_from_enable(fake_te: Path, hook)
 @pytest.mark.parametrize("first, then", [(True, False), (False, True), (True, True)])
 def test_a_later_enable_never_turns_patching_off(hook, first: bool, then: bool) -> None:
     """``enable(patch=False)`` (the cuDNN route's own call) after ``enable()`` keeps the
-    patch; either order gives one hook that patches."""
+    patch; either order gives one hook that patches; the last ``strict`` holds."""
     boot.enable(patch=first)
-    boot.enable(patch=then)
+    boot.enable(patch=then, strict=True)
     (only,) = boot._hooks()
-    assert only.patch is True
+    assert only.patch is True and only.strict is True
 
 
-@pytest.mark.parametrize("initializing", [True, False])
+@pytest.mark.parametrize("route, error", [(True, None), (True, "a failure"), (False, "a failure")])
+def test_the_hook_does_what_it_was_enabled_for(
+    fake_te: Path, hook, monkeypatch: pytest.MonkeyPatch, route: bool, error: Optional[str]
+) -> None:
+    """The route's hook (patch=False) checks the route at TE's import and patches nothing;
+    the patch's hook patches and leaves a route it did not start alone (here: a strict
+    use_fixed_cudnn() that failed in code, its error caught there)."""
+    from te_gqa_fix import cudnn, patch
+
+    monkeypatch.setattr(cudnn, "_route", {**cudnn._route, "strict": True, "error": error})
+    monkeypatch.setitem(boot._state, "cudnn_route", route)
+    boot.enable(patch=not route)
+    with (
+        pytest.raises(ImportError, match="a failure")
+        if route and error
+        else contextlib.nullcontext()
+    ):
+        import_te()
+    assert patch.is_installed() is not route
+
+
+def test_enable_says_whether_it_installed(fake_te: Path, hook) -> None:
+    import te_gqa_fix
+
+    import_te()
+    assert [boot.enable(), boot.enable()] == [True, False]  # installed, then already
+    te_gqa_fix.uninstall()
+    assert boot.enable() is True and te_gqa_fix.is_installed()
+
+
+@pytest.mark.parametrize("initializing", [True, False, None])
 def test_enable_while_te_is_importing_waits_for_the_hook(
     hook, monkeypatch: pytest.MonkeyPatch, initializing: bool
 ) -> None:
@@ -298,10 +328,32 @@ def test_enable_while_te_is_importing_waits_for_the_hook(
     monkeypatch.setattr(boot, "_fire", lambda strict: fired.append(strict))
     module = types.ModuleType(TE)
     module.__spec__ = importlib.machinery.ModuleSpec(TE, None)
-    module.__spec__._initializing = initializing  # type: ignore[attr-defined]
+    if initializing is not None:  # None: a spec importlib never ran (no _initializing)
+        module.__spec__._initializing = initializing  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, TE, module)
     boot.enable()
     assert fired == ([] if initializing else [False]) and boot.is_enabled()
+
+
+def test_the_preload_hook_leaves_the_finders_behind_it_their_turn(
+    hook, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It removes itself from inside find_spec: the finder right behind it must still be
+    asked for that import (an in-place removal made importlib skip it), and activating
+    twice leaves one preload hook."""
+    monkeypatch.setenv(boot.ENV_CUDNN, "/no/such/folder")
+    monkeypatch.setattr(boot.CudnnPreloadHook, "TRIGGERS", ("te_gqa_fix_no_such_module",))
+    monkeypatch.setattr(boot, "preload_cudnn", lambda setting: boot._remove(boot._CUDNN_MARKER))
+    boot.activate()
+    boot.activate()
+    assert len(boot._hooks(boot._CUDNN_MARKER)) == 1
+    asked: list = []
+    behind = types.SimpleNamespace(find_spec=lambda name, *a: asked.append(name))
+    i = sys.meta_path.index(boot._hooks(boot._CUDNN_MARKER)[0])
+    sys.meta_path.insert(i + 1, behind)
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("te_gqa_fix_no_such_module")
+    assert asked == ["te_gqa_fix_no_such_module"] and not boot._hooks(boot._CUDNN_MARKER)
 
 
 @pytest.mark.parametrize("strict", [False, True])
@@ -350,7 +402,7 @@ def test_pth_line_reads_two_variables_and_their_off_values() -> None:
         assert set(eval(literal)) == {s for s, v in spellings.items() if v == "off"}
 
 
-def test_hook_ignores_other_imports_and_can_be_disabled(hook) -> None:
+def test_hook_ignores_other_imports_and_can_be_disabled(hook, tmp_path: Path) -> None:
     assert not boot.is_enabled()
     boot.enable()
     boot.enable()
@@ -358,6 +410,7 @@ def test_hook_ignores_other_imports_and_can_be_disabled(hook) -> None:
     assert len(hooks) == 1 and sys.meta_path[0] is hooks[0]
     assert hooks[0].find_spec("json") is None
     assert hooks[0].find_spec("transformer_engine") is None
+    assert hooks[0].find_spec(TE, [str(tmp_path)]) is None  # no finder behind has it
     assert boot.disable() is True
     assert not boot.is_enabled()
     assert boot.disable() is False

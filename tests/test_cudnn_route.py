@@ -11,6 +11,7 @@ the way TE's loader does.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -126,6 +127,11 @@ def test_a_folder_without_cudnn_is_refused(tmp_path: Path) -> None:
         cudnn.use_fixed_cudnn(str(tmp_path))
 
 
+class _BytesPath(os.PathLike):
+    def __fspath__(self) -> bytes:  # type: ignore[override]
+        return b"/opt/cudnn"
+
+
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [
@@ -134,6 +140,7 @@ def test_a_folder_without_cudnn_is_refused(tmp_path: Path) -> None:
         (dict(where=123), TypeError, "where: expected 'auto' or a folder path (str or "
          "os.PathLike), got int 123"),
         (dict(where=b"/opt"), TypeError, "where: expected 'auto' or a folder path"),
+        (dict(where=_BytesPath()), TypeError, "got _BytesPath"),
         (dict(where=" "), ValueError, "where: expected 'auto' or a folder path"),
         (dict(where="strict:/opt/cudnn"), ValueError, "'strict' and 'strict:FOLDER' are "
          "TE_GQA_FIX_CUDNN's spellings; here strictness is the strict= keyword (default True): "
@@ -155,6 +162,11 @@ def test_bad_arguments_are_named_before_anything_is_tried(
         cudnn.use_fixed_cudnn(**{"strict": False, **kwargs})  # not even strict=False hides it
     assert message in str(err.value)
     assert cudnn.route_state()["setting"] is None
+
+
+def test_messages_cut_a_long_value() -> None:
+    assert cudnn._shown("x" * 78) == repr("x" * 78)  # 80 characters: whole
+    assert cudnn._shown("x" * 79) == repr("x" * 79)[:80] + "...(81 chars)"
 
 
 @pytest.mark.parametrize("where", ["AUTO", " Auto "])
@@ -272,16 +284,31 @@ def test_verify_compares_major_minor_and_patch(
 
 
 @pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("chosen", [False, True])
 def test_a_failed_route_is_an_import_error_at_te_import_when_strict(
-    tmp_path: Path, strict: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, strict: bool, chosen: bool
 ) -> None:
-    with pytest.raises(FileNotFoundError) if strict else contextlib.nullcontext():
+    """Nothing loaded (no folder, or a build chosen then refused): strict fails TE's import
+    with the reason, otherwise there is nothing to compare TE's cuDNN with."""
+    monkeypatch.setattr(cudnn, "te_cudnn_version", lambda: (9, 19, 0))
+    if chosen:
+        fb.stub_build(tmp_path / "lib", header_version=(9, 14, 0))
+    with pytest.raises(LookupError if chosen else FileNotFoundError) if strict else (
+        contextlib.nullcontext()
+    ):  # fmt: skip
         cudnn.use_fixed_cudnn(str(tmp_path), strict=strict)
+    assert (cudnn.route_state()["chosen"] is not None) is chosen
     if strict:
-        with pytest.raises(ImportError, match=r"\(strict\) failed: .*libcudnn\.so\.9"):
+        with pytest.raises(ImportError, match=r"\(strict\) failed: .*(libcudnn\.so\.9|9\.14)"):
             cudnn.verify_te_cudnn()
     else:
-        assert cudnn.verify_te_cudnn() is None
+        assert cudnn.verify_te_cudnn() is None and cudnn.route_state()["verified"] is None
+
+
+def test_te_cudnn_version_never_imports_te(fake_te: Path) -> None:
+    assert cudnn.te_cudnn_version() is None and "transformer_engine.pytorch" not in sys.modules
+    importlib.import_module("transformer_engine.pytorch")
+    assert cudnn.te_cudnn_version() == (9, 14, 0)
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ import re
 import site
 import sys
 from dataclasses import dataclass, replace
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from .settings import parse
 
@@ -559,7 +559,10 @@ def _where(where: Any) -> str:
 
 
 def use_fixed_cudnn(
-    where: str = "auto", *, strict: bool = True, search_path: Optional[Sequence[str]] = None
+    where: Union[str, os.PathLike[str]] = "auto",
+    *,
+    strict: bool = True,
+    search_path: Optional[Sequence[str]] = None,
 ) -> Optional[CudnnBuild]:
     """Make Transformer Engine run a fixed cuDNN: call first thing, before torch or TE.
 
