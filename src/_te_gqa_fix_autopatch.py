@@ -1,15 +1,17 @@
 """Start-up hook: load a fixed cuDNN before torch, and patch TE as soon as it is imported.
 
-Runs from ``te_gqa_fix_autopatch.pth`` in every process, so it is standard library only:
-torch and ``te_gqa_fix`` proper come only once ``transformer_engine.pytorch`` is imported.
+Runs from ``te_gqa_fix_autopatch.pth`` in every process where a setting is on, so it uses
+the standard library and te-gqa-fix's stdlib-only modules (its logger, settings, cudnn):
+torch and the fix proper come only once ``transformer_engine.pytorch`` is imported.
 Public face: :mod:`te_gqa_fix.autopatch`.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
+
+from te_gqa_fix._logging import logger as _log
 
 ENV_AUTOPATCH = "TE_GQA_FIX_AUTOPATCH"
 ENV_CUDNN = "TE_GQA_FIX_CUDNN"
@@ -18,7 +20,6 @@ PTH_NAME = "te_gqa_fix_autopatch.pth"
 
 _MARKER = "__te_gqa_fix_import_hook__"
 _CUDNN_MARKER = _MARKER + "cudnn"
-_log = logging.getLogger("te_gqa_fix")
 
 #: What the hook did, for ``doctor`` and tests (plain values, no objects kept alive).
 _state: dict = dict(fired=False, sites=None, error=None, activated_by=None, cudnn_route=False)

@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass
 from typing import Dict, FrozenSet, Optional, Sequence, Tuple
 
-from .cudnn import CUDNN_FIXED, ENV_CUDNN, choose_fixed, find_wheel_builds, pip_hint
+from .cudnn import CUDNN_FIXED, ENV_CUDNN, FIXED, choose_fixed, find_wheel_builds, pip_hint
 from .stack import runtime_facts
 
 __all__ = [
@@ -116,10 +116,10 @@ def verdict(
     if cudnn_is_fixed(cud):
         return Verdict(
             "not_affected",
-            (f"cuDNN {_vstr(cud)} >= 9.18 initialises the GQA workspace (9.19 measured clean)",),
+            (f"cuDNN {_vstr(cud)} >= {FIXED} initialises the GQA workspace (9.19 measured clean)",),
         )
     base = (
-        f"Hopper ({sm}) with cuDNN {_vstr(cud)} < 9.18: TE's fused_attn_bwd (THD layout, "
+        f"Hopper ({sm}) with cuDNN {_vstr(cud)} < {FIXED}: TE's fused_attn_bwd (THD layout, "
         "GQA/MQA) sums stale workspace into dK/dV rows of sequences without query tokens"
     )
     if head_dim is not None and not head_dims_repairable(head_dim, head_dim_v):
@@ -131,7 +131,7 @@ def verdict(
                 f"head dim {shape} on this cuDNN is wrong on rows that receive attention too "
                 f"(measured wrong at {_shapes(MEASURED_WRONG_ABOVE_128)}): no post-pass can "
                 "repair it; the exact fallback (TE_GQA_FIX_GUARD=fallback, the default) "
-                "recomputes it with FlashAttention-2, and cuDNN 9.18 or newer fixes it "
+                f"recomputes it with FlashAttention-2, and cuDNN {FIXED} or newer fixes it "
                 "(TE_GQA_FIX_CUDNN=auto loads an installed one)",
             ),
         )

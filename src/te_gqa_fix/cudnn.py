@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import glob
-import logging
 import os
 import re
 import site
@@ -17,6 +16,7 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
+from ._logging import logger as _log
 from .settings import parse
 
 #: What users call; the rest is shared with doctor and the start-up hook.
@@ -34,6 +34,8 @@ __all__ = [
 
 #: The first cuDNN that initialises the GQA workspace on Hopper (upstream, TE #2186).
 CUDNN_FIXED: Tuple[int, int, int] = (9, 18, 0)
+#: The same, as messages write it.
+FIXED = f"{CUDNN_FIXED[0]}.{CUDNN_FIXED[1]}"
 ENV_CUDNN = "TE_GQA_FIX_CUDNN"
 
 #: Wheel layouts below a site folder, in the order TE's own loader searches them.
@@ -57,7 +59,6 @@ SYSTEM_HEADERS = (
 )
 
 Version = Tuple[int, ...]
-_log = logging.getLogger("te_gqa_fix")
 _DOTTED = r"\d+(?:\.\d+)+"
 
 
@@ -268,7 +269,7 @@ def choose_fixed(builds: Sequence[CudnnBuild]) -> Optional[CudnnBuild]:
 
 def pip_hint() -> str:
     """The ``pip install`` that brings a fixed cuDNN."""
-    return "pip install 'nvidia-cudnn-cu12>=9.18' (CUDA 12) or 'nvidia-cudnn-cu13>=9.18' (CUDA 13)"
+    return f"pip install 'nvidia-cudnn-cu12>={FIXED}' (CUDA 12) or 'nvidia-cudnn-cu13>={FIXED}' (CUDA 13)"
 
 
 @dataclass(frozen=True)
@@ -460,7 +461,7 @@ def _resolve_target(target: str, search_path: Optional[Sequence[str]]) -> CudnnB
         chosen = choose_fixed(builds)
         if chosen is None:
             raise LookupError(
-                f"te_gqa_fix: {ENV_CUDNN}=auto found no cuDNN >= 9.18 in this environment's "
+                f"te_gqa_fix: {ENV_CUDNN}=auto found no cuDNN >= {FIXED} in this environment's "
                 f"cuDNN wheels (seen: {', '.join(_route['seen']) or 'none'}); {pip_hint()} "
                 "provides one"
             )
@@ -482,7 +483,7 @@ def _resolve_target(target: str, search_path: Optional[Sequence[str]]) -> CudnnB
 def _not_fixed(build: CudnnBuild) -> str:
     return (
         f"te_gqa_fix: cuDNN {build.version_str} in {build.lib_dir} (version from its "
-        f"{build.how}) is not a fixed build: the route loads cuDNN 9.18 or newer within cuDNN 9"
+        f"{build.how}) is not a fixed build: the route loads cuDNN {FIXED} or newer within cuDNN 9"
     )
 
 
@@ -496,13 +497,13 @@ def _check_before_loading(build: CudnnBuild, strict: bool) -> None:
     if symbols is not None and not symbols:
         raise CudnnRefused(
             f"te_gqa_fix: {main} is not a cuDNN (it exports no cudnnGetVersion); nothing was "
-            "loaded: point the setting at a cuDNN 9.18 or newer"
+            f"loaded: point the setting at a cuDNN {FIXED} or newer"
         )
     if build.version is None and strict:
         raise CudnnRefused(
             f"te_gqa_fix: the version of the cuDNN in {build.lib_dir} can only be learned by "
             "loading it (no version in its file names, no include/cudnn_version.h, no wheel "
-            "metadata), and strict loads only a build known to be 9.18 or newer; nothing was "
+            f"metadata), and strict loads only a build known to be {FIXED} or newer; nothing was "
             "loaded: name a folder whose version can be read, or pass strict=False (a "
             f"{ENV_CUDNN} folder without 'strict:') to load it and check cudnnGetVersion"
         )
