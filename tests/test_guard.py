@@ -4,8 +4,7 @@ The tensors stay on CPU; the wrapper is told they are on CUDA device 0 (``_devic
 and the stack facts are the ones :mod:`te_gqa_fix.affected` reads (``runtime_facts``), so
 its real rule decides: Hopper with cuDNN < 9.18 is affected; head dim 256 (or q/k 128 with
 v 192) is beyond any post-pass there; 9.18 and newer is fixed. The exact fallback is
-replaced by a fake (``te_gqa_fix.fallback.why_not``/``exact_backward``) that records what
-it was asked.
+replaced by a fake (``te_gqa_fix.fallback.decide``/``run``) that records what it was asked.
 """
 
 from __future__ import annotations
@@ -219,7 +218,7 @@ def test_fallback_replaces_tes_call(
     heads: dict,
     n_positional: int,
 ) -> None:
-    """The default guard: where the fallback can serve the call (``why_not`` None), its
+    """The default guard: where the fallback can serve the call (``decide`` gives a plan), its
     output is returned instead of TE's (TE's original is not called), with the post-pass
     run on it; it is asked with every argument by name, as the caller passed them."""
     from fakes.te_outputs import split_call
