@@ -129,7 +129,7 @@ def _install() -> List[str]:
             return (
                 value is original
                 or any(value is x for x in old if x is not None)
-                or (callable(value) and _earlier_definition(value, original))
+                or _earlier_definition(value, original)
             )
 
         if reloaded:

@@ -356,9 +356,10 @@ def zero_dead_rows(
     Raises:
         ValueError: bad metadata or mask arguments, gradients that share memory, require
             grad (grad mode on) or are inference tensors (outside inference mode), naming
-            the argument, before anything is written. Impossible offset values make the call zero nothing and raise
-            ``OffsetsError`` (a ValueError): at once on CPU or with validation on, else at
-            the next post-pass call on that device (see :mod:`te_gqa_fix.offset_errors`).
+            the argument, before anything is written. Impossible offset values make the
+            call zero nothing and raise ``OffsetsError`` (a ValueError): at once on CPU or
+            with validation on, else at the next post-pass call on that device (see
+            :mod:`te_gqa_fix.offset_errors`).
     """
     if impl not in ("auto", "torch", "triton"):
         raise ValueError(f"impl: expected 'auto', 'torch' or 'triton', got {impl!r}")
