@@ -3,12 +3,19 @@
 8 packed causal sequences (padding_causal) at 8K and 32K tokens.
 
 Rows, each a ratio to TE's ``fused_attn_bwd`` (deterministic=False) in the same run: TE with
-deterministic=True; the fallback (``fallback.exact_backward``, fed TE's ``out`` and softmax
-statistics) with one offsets tensor for q and kv (self-attention: one FlashAttention-2
-backward) and with two (the top-left causal split into two calls, as TE's context-parallel
-steps pass them), each not deterministic and deterministic; and the fallback recomputing
-the forward (statistics of an unknown layout). CUDA events around each call after a warm-up;
-medians over ``--reps``. A row that runs out of memory is recorded with its error.
+deterministic=True; then the wrapper's call as a user on an affected stack makes it (the
+wrapper told that cuDNN is wrong here, TE's arguments passed positionally as
+DotProductAttention passes them): FlashAttention-2 fed TE's ``out`` and softmax statistics,
+then the post-pass, with one offsets tensor for q and kv (self-attention: one
+FlashAttention-2 backward) and with two (the top-left causal split into two calls, as TE's
+context-parallel steps pass them), each not deterministic and deterministic; and the
+fallback recomputing the forward (statistics of an unknown layout).
+
+Two timings per row, CUDA events after a warm-up, medians over ``--reps``: ``synced``, one
+call between two events and a sync (what one call costs the GPU's timeline, host time
+before its first kernel included), and ``back-to-back``, blocks of 10 calls between two
+events (what a step costs where the GPU, not the host, is the bottleneck). A row that runs
+out of memory is recorded with its error.
 
     python3 benchmarks/fallback_cost.py --out fallback_cost.json [--reps 20]
 """
@@ -16,31 +23,51 @@ medians over ``--reps``. A row that runs out of memory is recorded with its erro
 from __future__ import annotations
 
 import argparse
+import inspect
 from typing import Any, Callable, Dict, List
 
 import torch
 from common import event_ms, median, metadata, write
 
-from te_gqa_fix import fallback, patch
+from te_gqa_fix import affected, patch, wrapper
 from te_gqa_fix.testing import make_batch, random_inputs, te_call, te_forward
 
 WORKLOADS = {"8k": 8192, "32k": 32768}
 HEADS, D, NSEQ = (16, 4), 256, 8
+BLOCK = 10
 
 
-def timed(fn: Callable[[], Any], reps: int) -> float:
+def timed(fn: Callable[[], Any], reps: int) -> Dict[str, float]:
+    """Median ms per call, synced and back to back."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    return median([event_ms(fn) for _ in range(reps)])
+    synced = median([event_ms(fn) for _ in range(reps)])
+
+    def block() -> None:
+        for _ in range(BLOCK):
+            fn()
+
+    b2b = median([event_ms(block) / BLOCK for _ in range(max(3, reps // 2))])
+    return {"synced": synced, "back-to-back": b2b}
+
+
+def _force_fallback() -> None:
+    """The wrapper of this process takes every THD call for one cuDNN gets wrong on live
+    rows, as on an affected stack (TE itself runs the fixed cuDNN: the ratios' base)."""
+    affected.passes_through = lambda *args: False  # type: ignore[assignment]
+    affected.unrepairable = lambda *args: "benchmarks/fallback_cost.py: forced"  # type: ignore[assignment]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--reps", type=int, default=20)
-    args = ap.parse_args()
+    opts = ap.parse_args()
     te_fn = patch.find_original()
+    _force_fallback()
+    wrapped = wrapper.wrapper_for(te_fn)
+    names = list(inspect.signature(te_fn).parameters)
     rows: List[Dict[str, Any]] = []
     for name, tokens in WORKLOADS.items():
         n = tokens // NSEQ
@@ -53,46 +80,53 @@ def main() -> None:
         two = te_call(batch)  # separate q and kv offsets tensors
         one = dict(two, cu_seqlens_kv=two["cu_seqlens_q"])
         one["cu_seqlens_kv_padded"] = one["cu_seqlens_q_padded"]
-        for call in (one, two):
-            assert fallback.why_not(call) is None, fallback.why_not(call)
         det = {n: dict(c, deterministic=True) for n, c in (("one", one), ("two", two))}
         recompute = dict(one, aux_ctx_tensors=[])  # statistics of no known layout
+
+        def positional(call: Dict[str, Any]) -> List[Any]:
+            return [call[n] for n in names]
+
         variants = {
-            "te": lambda c=two: te_fn(**c),
-            "te_deterministic": lambda c=det["two"]: te_fn(**c),
-            "fallback": lambda c=one: fallback.exact_backward(c),
-            "fallback_deterministic": lambda c=det["one"]: fallback.exact_backward(c),
-            "fallback_split": lambda c=two: fallback.exact_backward(c),
-            "fallback_split_deterministic": lambda c=det["two"]: fallback.exact_backward(c),
-            "fallback_recompute": lambda c=recompute: fallback.exact_backward(c),
+            "te": (te_fn, two),
+            "te_deterministic": (te_fn, det["two"]),
+            "fallback": (wrapped, one),
+            "fallback_deterministic": (wrapped, det["one"]),
+            "fallback_split": (wrapped, two),
+            "fallback_split_deterministic": (wrapped, det["two"]),
+            "fallback_recompute": (wrapped, recompute),
         }
-        base = None
-        for variant, fn in variants.items():
+        base: Dict[str, float] = {}
+        for variant, (fn, call) in variants.items():
+            args = positional(call)
             row = dict(workload=name, tokens=tokens, heads=list(HEADS), head_dim=D, nseq=NSEQ,
                        variant=variant)  # fmt: skip
             try:
-                ms = timed(fn, args.reps)
+                before = wrapper.call_counts()["fallback"]
+                ms = timed(lambda fn=fn, args=args: fn(*args), opts.reps)
+                if fn is wrapped and wrapper.call_counts()["fallback"] == before:
+                    raise RuntimeError(f"{variant}: the wrapper did not take the fallback")
                 if variant.endswith("deterministic"):
-                    a, b = fn(), fn()
+                    a, b = fn(*args), fn(*args)
                     row["bitwise_repeatable"] = all(torch.equal(x, y) for x, y in zip(a[:3], b[:3]))
             except torch.OutOfMemoryError as exc:
                 row["error"] = f"out of memory: {str(exc)[:80]}"
                 torch.cuda.empty_cache()
                 rows.append(row)
                 continue
-            base = ms if base is None else base
-            rows.append(dict(row, ms=ms, x_te=ms / base))
+            base = base or ms
+            rows.append(dict(row, ms=ms, x_te={k: ms[k] / base[k] for k in ms}))
         del batch, one, two, det, recompute, variants
         torch.cuda.empty_cache()
     meta = metadata()
-    write(args.out, {"bench": "fallback", **meta, "rows": rows})
+    write(opts.out, {"bench": "fallback", **meta, "block": BLOCK, "rows": rows})
     print(f"cuDNN TE runs: {meta['stack'].get('cudnn_te')}")
-    print(f"{'workload':8} {'variant':30} {'ms':>8} {'x TE':>6}")
+    print(f"{'workload':8} {'variant':30} {'synced':>16} {'back-to-back':>16}")
     for r in rows:
         if "error" in r:
             print(f"{r['workload']:8} {r['variant']:30} {r['error']}")
-        else:
-            print(f"{r['workload']:8} {r['variant']:30} {r['ms']:8.3f} {r['x_te']:6.2f}")
+            continue
+        cells = [f"{r['ms'][m]:7.3f} {r['x_te'][m]:5.2f}x" for m in ("synced", "back-to-back")]
+        print(f"{r['workload']:8} {r['variant']:30} {cells[0]:>16} {cells[1]:>16}")
 
 
 if __name__ == "__main__":

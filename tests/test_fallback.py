@@ -453,6 +453,21 @@ def test_top_left_windows_with_one_offsets_tensor(emulated, window) -> None:
     assert emulated.calls == ["fwd", "bwd"]
 
 
+@pytest.mark.parametrize("gap_kv", [[1, 2, 0, 5], [3, 0, 2, 3]], ids=["one-padded", "two-padded"])
+def test_one_segmentation_only_where_q_and_kv_offsets_are_one_memory(emulated, gap_kv) -> None:
+    """One cu_seqlens tensor for q and kv: FlashAttention-2 gets one segmentation only when
+    the padded offsets are one tensor too; kv's own padding is honoured otherwise."""
+    lens = [6, 0, 9, 3]
+    batch = _batch(lens, lens, mask="padding_causal", gap_q=[1, 2, 0, 5], gap_kv=gap_kv)
+    call = _call(batch, tight=True)
+    call["cu_seqlens_kv"] = call["cu_seqlens_q"]
+    if gap_kv == [1, 2, 0, 5]:
+        call["cu_seqlens_kv_padded"] = call["cu_seqlens_q_padded"]
+    plan = fallback.decide(fallback.call_facts(call))
+    assert plan.one_segmentation is (gap_kv == [1, 2, 0, 5])  # type: ignore[union-attr]
+    _check(batch, call, fallback.exact_backward(call))
+
+
 def test_top_left_causal_across_two_offset_tensors_is_split(emulated) -> None:
     batch = _batch([7, 2, 0, 5], [3, 6, 4, 5], mask="padding_causal", gap_q=[0, 3, 1, 2])
     call = _call(batch, tight=True)

@@ -625,7 +625,7 @@ def test_impl_triton_on_cpu_falls_back_to_torch() -> None:
 
 def test_launch_reuses_the_launcher_per_pointer_alignment(monkeypatch: pytest.MonkeyPatch) -> None:
     # A stand-in for kernel.build(): fn[grid](...) "compiles" (recorded) and returns a
-    # compiled kernel whose [grid] is a launcher recording what it is given.
+    # compiled kernel whose run() records what each later launch gives it.
     dq, dk, dv, *offs = _small_case()
     shifted = torch.randn(12 * 8 + 2)[2:].view(12, 1, 8)  # 8 bytes past a 16-byte boundary
     plan = launch.make_plan(dq, dk, dv, tuple(offs), key_span("padding_causal"))
@@ -635,20 +635,27 @@ def test_launch_reuses_the_launcher_per_pointer_alignment(monkeypatch: pytest.Mo
     def compile_and_run(*args: Any, **meta: Any) -> Any:
         compiles.append(args[1].data_ptr() % 16)
         n = len(compiles)
+        run = lambda *a: runs.append((n, a))  # noqa: E731
         return type(
-            "Compiled",
-            (),
-            {"function": 1, "__getitem__": lambda *_: lambda *a: runs.append((n, a))},
+            "Compiled", (), {"function": "f", "packed_metadata": "m", "run": staticmethod(run)}
         )()
 
     fn = type("Fn", (), {"__getitem__": lambda *_: compile_and_run})()
     fn.arg_names = ["t"] * 8 + ["s"] * len(plan.scalars) + list(plan.meta)
     monkeypatch.setattr(launch.kernel, "build", lambda: fn)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 77, raising=False)
     for dk_now in (dk, dk, shifted, shifted, dk):
         launch.launch(plan, dq, dk_now, dv, tuple(offs))
     assert compiles == [0, 8] and [n for n, _ in runs] == [1, 2, 1], (compiles, runs)
     ptrs = [t.data_ptr() for t in (dq, dk, dv, *offs)]
-    assert runs[0][1] == (*ptrs, plan.err, *plan.scalars, *plan.meta.values())
+    grid_and_handles = (*plan.grid, 77, "f", "m", None, None, None)
+    assert runs[0][1] == (
+        *grid_and_handles,
+        *ptrs,
+        plan.err_ptr,
+        *plan.scalars,
+        *plan.meta.values(),
+    )
 
 
 # --------------------------------------------------------------------------- GPU

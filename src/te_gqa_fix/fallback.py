@@ -77,6 +77,7 @@ class CallFacts(NamedTuple):
     offsets: Tuple[Optional[TensorMeta], ...]  # the four, TE's order (OFFSET_NAMES)
     offsets_given: Tuple[bool, ...]
     one_offsets: bool  # cu_seqlens_kv is cu_seqlens_q's memory (self-attention)
+    one_padded: bool  # cu_seqlens_kv_padded is cu_seqlens_q_padded's memory (or both None)
     max_seqlens_are_ints: bool
     dropout: object
     attn_bias_type: object
@@ -101,7 +102,9 @@ class Plan(NamedTuple):
     ``window`` is FlashAttention-2's (bottom-right aligned) window; ``split``: top-left causal
     across two offset tensors, computed in two calls; ``reuse_stats``: TE's softmax
     statistics are ``[t >= rows_q, h, 1]`` float32 and replace a forward recompute;
-    ``layout``: the gradients' layout; ``deterministic``: bitwise repeatable.
+    ``layout``: the gradients' layout; ``deterministic``: bitwise repeatable;
+    ``one_segmentation``: q and kv rows are segmented alike (one offsets tensor each way,
+    as many rows), so FlashAttention-2 gets one offsets tensor for both.
     """
 
     window: Tuple[int, int]
@@ -109,12 +112,13 @@ class Plan(NamedTuple):
     reuse_stats: bool
     layout: str
     deterministic: bool
+    one_segmentation: bool
 
 
 def _meta(t: object) -> Optional[TensorMeta]:
     if type(t) is not torch.Tensor:
         return None
-    return TensorMeta(tuple(t.shape), t.dtype, t.device)  # type: ignore[union-attr]
+    return TensorMeta(t.shape, t.dtype, t.device)  # type: ignore[union-attr]
 
 
 def _same_memory(a: object, b: object) -> bool:
@@ -153,6 +157,7 @@ def call_facts(call: Mapping[str, Any]) -> CallFacts:
         offsets=tuple(_meta(get(n)) for n in OFFSET_NAMES),
         offsets_given=tuple(get(n) is not None for n in OFFSET_NAMES),
         one_offsets=_same_memory(get("cu_seqlens_q"), get("cu_seqlens_kv")),
+        one_padded=_same_memory(get("cu_seqlens_q_padded"), get("cu_seqlens_kv_padded")),
         max_seqlens_are_ints=all(type(get(n)) is int for n in ("max_seqlen_q", "max_seqlen_kv")),
         dropout=get("dropout"),
         attn_bias_type=get("attn_bias_type", "no_bias"),
@@ -291,7 +296,11 @@ def decide(f: CallFacts) -> Union[Plan, str]:
     if reason is not None:
         return reason
     window, split = mask
-    return Plan(window, split, _stats_layout_known(f), str(f.dqkv_layout), f.deterministic)
+    one_segmentation = f.one_offsets and f.one_padded and f.q.shape[0] == f.k.shape[0]  # type: ignore[union-attr]
+    return Plan(
+        window, split, _stats_layout_known(f), str(f.dqkv_layout), f.deterministic,
+        one_segmentation,
+    )  # fmt: skip
 
 
 def head_dim_reason(d_qk: int, d_v: Optional[int] = None) -> Optional[str]:
@@ -428,6 +437,21 @@ class _Args(NamedTuple):
     scale: float
 
 
+_placeholders: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _philox_placeholders(device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The seed and offset tensors FlashAttention-2's backward takes and, without dropout,
+    never reads: made once per device (first use outside CUDA-graph capture)."""
+    found = _placeholders.get(device)
+    if found is None:
+        found = _placeholders[device] = (
+            torch.zeros(2, dtype=torch.int64, device=device),
+            torch.zeros((), dtype=torch.int64, device=device),
+        )
+    return found
+
+
 def _flash(a: _Args, off_q, off_k, window, deterministic, out=None, lse=None) -> tuple:
     """FlashAttention-2's backward on these segments: fed TE's ``out`` and statistics
     ``lse`` (``[h, t]``), or after its own forward where they are None."""
@@ -439,8 +463,7 @@ def _flash(a: _Args, off_q, off_k, window, deterministic, out=None, lse=None) ->
             a.q, a.k, a.v, off_q, off_k, a.max_q, a.max_k, 0.0, causal, False, **kw
         )
     else:  # dropout 0: the philox state is not read
-        seed = torch.empty(2, dtype=torch.int64, device=a.q.device)
-        offset = torch.empty((), dtype=torch.int64, device=a.q.device)
+        seed, offset = _philox_placeholders(a.q.device)
     with _deterministic(deterministic):
         return _aten._flash_attention_backward(
             a.d_o, a.q, a.k, a.v, out, lse, off_q, off_k, a.max_q, a.max_k, 0.0, causal,
@@ -477,11 +500,12 @@ def run(plan: Plan, call: Mapping[str, Any]) -> List[Optional[torch.Tensor]]:
     if plan.reuse_stats:
         out = _ready(call["o"])
         # [t, h, 1], row t = buffer row t of q: FlashAttention-2's [h, t] on our segments.
-        lse = call["aux_ctx_tensors"][0][:rows_q, :, 0].t().contiguous()
+        stats = call["aux_ctx_tensors"][0][:rows_q, :, 0].t()
         # A NaN there (a row no key is attended by, or padding) must not reach any gradient:
         # +inf makes every probability of its row 0, as for FlashAttention-2's own empty rows.
         inf = float("inf")
-        lse = lse.nan_to_num_(nan=inf, posinf=inf, neginf=-inf)
+        lse = torch.empty(stats.shape, dtype=torch.float32, device=stats.device)
+        torch.nan_to_num(stats, nan=inf, posinf=inf, neginf=-inf, out=lse)
     if d_v < d_qk:  # zero columns: P @ [V, 0] = [O, 0], so dQ, dK and dV[:d_v] hold
         pad = (0, d_qk - d_v)
         v, d_o = F.pad(v, pad), F.pad(d_o, pad)
@@ -499,7 +523,7 @@ def run(plan: Plan, call: Mapping[str, Any]) -> List[Optional[torch.Tensor]]:
     start_q, len_q, start_k, len_k = _sequences(call)
     if not plan.split:
         off_q = _segments(start_q, start_q + len_q, rows_q)
-        off_k = _segments(start_k, start_k + len_k, rows_k)
+        off_k = off_q if plan.one_segmentation else _segments(start_k, start_k + len_k, rows_k)
         dq, dk, dv = _flash(args, off_q, off_k, plan.window, det, out, lse)
     else:
         # Top-left causal: query i of a sequence sees keys [0, min(i, lk - 1)]. The first

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -71,10 +71,10 @@ def unsupported(
 
 
 class Plan:
-    """One launch's metadata-only arguments; ``runners`` maps the pointers' 16-byte alignment
-    (what Triton specializes a pointer on) to Triton's launcher for that specialization."""
+    """One launch's metadata-only arguments. ``launchers`` maps the pointers' 16-byte
+    alignment (what Triton specializes a pointer on) to the compiled kernel's launcher."""
 
-    __slots__ = ("consts", "err", "grid", "meta", "runners", "scalars")
+    __slots__ = ("err", "err_ptr", "grid", "launchers", "meta", "scalars")
 
     def __init__(
         self, grid: Tuple[int, int, int], scalars: tuple, meta: Dict[str, Any], device
@@ -82,9 +82,10 @@ class Plan:
         self.grid = grid
         self.scalars = scalars
         self.meta = meta
-        self.consts: Optional[tuple] = None
-        self.runners: Dict[tuple, Any] = {}
+        self.launchers: Dict[tuple, Callable[..., None]] = {}
         self.err = offset_errors.kernel_flag(device)
+        # Pinned host memory under unified addressing: the kernel stores to this address.
+        self.err_ptr = self.err.data_ptr()
 
 
 def _pow2(n: int) -> int:
@@ -161,8 +162,36 @@ def make_plan(
     return Plan((n_prog, 1, 1), scalars, meta, dk.device)
 
 
-def _contig(o: torch.Tensor) -> torch.Tensor:
-    return o if o.is_contiguous() else o.contiguous()
+def _launcher(compiled: Any, plan: Plan, device: torch.device) -> Callable[..., None]:
+    """A launcher of ``compiled`` taking the seven tensor addresses: Triton's own
+    ``CompiledKernel.run`` on the current stream, every other argument bound now.
+
+    This skips what Triton's ``compiled[grid](...)`` redoes at every launch (device and
+    stream lookups through its driver, launch metadata); its launch hooks are not called.
+    """
+    run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+    grid_x, grid_y, grid_z = plan.grid
+    names = kernel.build().arg_names[8 + len(plan.scalars) :]
+    tail = (plan.err_ptr, *plan.scalars, *(plan.meta[n] for n in names))
+    stream = torch._C._cuda_getCurrentRawStream
+    index = device.index
+
+    def launch_on_current_stream(*ptrs: int) -> None:
+        run(
+            grid_x,
+            grid_y,
+            grid_z,
+            stream(index),
+            function,
+            metadata,
+            None,
+            None,
+            None,
+            *ptrs,
+            *tail,
+        )
+
+    return launch_on_current_stream
 
 
 def launch(
@@ -171,22 +200,21 @@ def launch(
     """Zero the dead rows with the kernel, on the current stream; no host sync.
 
     The first launch per pointer alignment goes through ``kernel[grid]`` (which compiles);
-    later ones through that kernel's launcher, given the addresses: every tensor is on the
-    plan's device (checked when the plan was made; the wrapper's keys hold the devices).
+    later ones through :func:`_launcher`, given the addresses: every tensor is on the plan's
+    device (checked when the plan was made; the wrapper's keys hold the devices).
     """
-    cu_q, cu_kv = _contig(offsets[0]), _contig(offsets[1])
-    pad_q = cu_q if offsets[2] is None else _contig(offsets[2])
-    pad_kv = cu_kv if offsets[3] is None else _contig(offsets[3])
+    cu_q, cu_kv, pad_q, pad_kv = offsets
+    cu_q = cu_q if cu_q.is_contiguous() else cu_q.contiguous()
+    cu_kv = cu_kv if cu_kv.is_contiguous() else cu_kv.contiguous()
+    pad_q = cu_q if pad_q is None else pad_q if pad_q.is_contiguous() else pad_q.contiguous()
+    pad_kv = cu_kv if pad_kv is None else pad_kv if pad_kv.is_contiguous() else pad_kv.contiguous()
     tensors = (dk if dq is None else dq, dk, dv, cu_q, cu_kv, pad_q, pad_kv)
     ptrs = [t.data_ptr() for t in tensors]
-    align = tuple(p % 16 == 0 for p in ptrs)
-    runner = plan.runners.get(align)
-    if runner is not None:
-        runner(*ptrs, plan.err, *plan.scalars, *plan.consts)
+    align = tuple([p % 16 == 0 for p in ptrs])
+    launcher = plan.launchers.get(align)
+    if launcher is not None:
+        launcher(*ptrs)
         return
-    fn = kernel.build()
-    compiled = fn[plan.grid](*tensors, plan.err, *plan.scalars, **plan.meta)
+    compiled = kernel.build()[plan.grid](*tensors, plan.err, *plan.scalars, **plan.meta)
     if compiled is not None and hasattr(compiled, "function"):  # None under the interpreter
-        names = fn.arg_names[len(tensors) + 1 + len(plan.scalars) :]
-        plan.consts = tuple(plan.meta[n] for n in names)
-        plan.runners[align] = compiled[plan.grid]
+        plan.launchers[align] = _launcher(compiled, plan, dk.device)

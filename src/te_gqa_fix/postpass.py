@@ -301,15 +301,17 @@ def run(
     offsets: tuple,
     span: KeySpan,
     plan: Optional[launch.Plan],
+    validate: bool,
 ) -> None:
     """The post-pass on checked arguments: the kernel when ``plan`` is given, else PyTorch.
 
     First raises what an earlier call on this device recorded (a host read, no sync).
-    ``TE_GQA_FIX_VALIDATE=on`` reads the offsets now (a sync) and raises in this call.
+    ``validate`` (``TE_GQA_FIX_VALIDATE=on``) reads the offsets now (a sync) and raises in
+    this call.
     """
     global _broken
     offset_errors.raise_pending(dk.device)
-    if settings.get("TE_GQA_FIX_VALIDATE") == "on":
+    if validate:
         rows_q = None if dq is None else int(shape_of(dq)[0])  # type: ignore[index]
         check_values(rows_q, int(shape_of(dk)[0]), *offsets)  # type: ignore[index]
     if plan is not None and not _broken:
@@ -375,7 +377,7 @@ def zero_dead_rows(
         named.append((name, data))
     check_disjoint(named)
     plan = None if impl == "torch" else kernel_plan(dq, dk, dv, offsets, span)
-    run(dq, dk, dv, offsets, span, plan)
+    run(dq, dk, dv, offsets, span, plan, settings.get("TE_GQA_FIX_VALIDATE") == "on")
 
 
 def _zero_with_torch(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Dict, Mapping, Optional, Tuple
 
-__all__ = ["SETTINGS", "SettingError", "describe", "get", "parse"]
+__all__ = ["PER_CALL", "SETTINGS", "SettingError", "describe", "get", "parse", "per_call"]
 
 _OFF = ("", "0", "off", "false", "no", "disable", "disabled")
 _ON = ("1", "on", "true", "yes")
@@ -156,3 +156,22 @@ def describe(environ: Optional[Mapping[str, str]] = None) -> Dict[str, Dict[str,
         except SettingError as exc:
             out[name] = {"raw": raw, "value": None, "error": str(exc), "help": text}
     return out
+
+
+#: What the wrapper reads at every call, in this order.
+PER_CALL = ("TE_GQA_FIX", "TE_GQA_FIX_GUARD", "TE_GQA_FIX_VALIDATE")
+_per_call: Dict[tuple, Tuple[str, ...]] = {}
+
+
+def per_call() -> Tuple[str, ...]:
+    """:data:`PER_CALL`, parsed from ``os.environ`` now: three reads and one dict lookup
+    per call (cached per raw values); the first call with a typo in any of them raises
+    :class:`SettingError`."""
+    if _STORE_KEYS:
+        raw = tuple([_STORE.get(_STORE_KEYS[n]) for n in PER_CALL])  # type: ignore[union-attr]
+    else:
+        raw = tuple([_ENVIRON.get(n) for n in PER_CALL])
+    values = _per_call.get(raw)
+    if values is None:
+        values = _per_call[raw] = tuple([get(n) for n in PER_CALL])
+    return values

@@ -88,6 +88,11 @@ class _Signature:
             raise TypeError("a signature with *args or **kwargs cannot be read by name")
         positions = {p.name: i for i, p in enumerate(params) if p.kind != p.KEYWORD_ONLY}
         defaults = {p.name: p.default for p in params if p.default is not p.empty}
+        #: For bind(): positional names in order, every name, every default.
+        self.order = [p.name for p in params if p.kind != p.KEYWORD_ONLY]
+        self.names = frozenset(p.name for p in params)
+        self.keywords = frozenset(p.name for p in params if p.kind != p.POSITIONAL_ONLY)
+        self.defaults = dict(defaults)
         defaults["dqkv_layout"] = None
         defaults.setdefault("window_size", (-1, -1))
         self.slots = [(n, positions.get(n), defaults.get(n)) for n in _NAMES]
@@ -109,7 +114,15 @@ class _Signature:
 
     def bind(self, args: Sequence, kwargs: Mapping[str, Any]) -> Dict[str, Any]:
         """Every argument by name, defaults applied (TypeError where TE's call would fail)."""
-        bound = self.sig.bind(*args, **kwargs)
+        given = self.order[: len(args)]
+        if len(args) <= len(self.order) and kwargs.keys() <= self.keywords:
+            call = dict(self.defaults)
+            call.update(zip(given, args))
+            if not kwargs or kwargs.keys().isdisjoint(given):
+                call.update(kwargs)
+                if len(call) == len(self.names):  # every parameter has a value
+                    return call
+        bound = self.sig.bind(*args, **kwargs)  # raises the TypeError TE's call would
         bound.apply_defaults()
         return dict(bound.arguments)
 
@@ -204,6 +217,9 @@ def _decide(policy: str, dev: Optional[int], picked: tuple) -> Optional[Decision
     Raises ``ValueError`` naming the argument for bad input, so a bad call is never cached.
     """
     q, k, v, cu_q, cu_kv, pad_q, pad_kv, mask, window, brd, lay, dlay = picked
+    d_qk, d_v = _head_dims(q, v)
+    if policy == "auto" and dev is not None and affected.passes_through(dev, d_qk, d_v):
+        return _NOTHING_TO_DO  # a fixed cuDNN: nothing to repair, nothing to guard
     layout_name, layout = ("qkv_layout", lay) if dlay is None else ("dqkv_layout", dlay)
     formats = LAYOUTS.get(layout) if isinstance(layout, str) else None
     if formats is None:
@@ -214,7 +230,6 @@ def _decide(policy: str, dev: Optional[int], picked: tuple) -> Optional[Decision
     if not kv_thd:
         return _NOTHING_TO_DO
     sq, sk = shape_of(q), shape_of(k)
-    d_qk, d_v = _head_dims(q, v)
     unrepairable = None
     if dev is not None and d_qk and d_v:
         unrepairable = affected.unrepairable(dev, d_qk, d_v)
@@ -279,9 +294,10 @@ def _out_key(dq: object, dk: object, dv: object) -> Optional[tuple]:
     return key if dq is None else (*key, dq.shape, dq.stride(), dq.dtype, dq.device)
 
 
-def _zero_dead_rows(decision: Decision, offsets: tuple, out: Any) -> bool:
+def _zero_dead_rows(decision: Decision, offsets: tuple, out: Any, validate: str) -> bool:
     """The post-pass on ``out`` (TE's or the fallback's); False when ``out`` is not
-    gradients it can read (passed through untouched, logged once)."""
+    gradients it can read (passed through untouched, logged once). ``validate``:
+    ``TE_GQA_FIX_VALIDATE``."""
     if type(out) not in (list, tuple) or len(out) < 3:
         kind = type(out).__name__
         _passthrough(("output", kind), "fused_attn_bwd returned %s, not (dq, dk, dv, ...)", kind)
@@ -298,7 +314,7 @@ def _zero_dead_rows(decision: Decision, offsets: tuple, out: Any) -> bool:
         span = decision.span
         decision.kernel = None if key is None else postpass.kernel_plan(dq, dk, dv, offsets, span)  # type: ignore[arg-type]
         decision.out_key = key
-    postpass.run(dq, dk, dv, offsets, decision.span, decision.kernel)  # type: ignore[arg-type]
+    postpass.run(dq, dk, dv, offsets, decision.span, decision.kernel, validate == "on")  # type: ignore[arg-type]
     return True
 
 
@@ -313,8 +329,7 @@ def _new_wrapper(original: Callable) -> Callable:
     @functools.wraps(original)
     def fused_attn_bwd(*args: Any, **kwargs: Any) -> Any:
         _counts[_CALLS] += 1
-        policy, guard = settings.get("TE_GQA_FIX"), settings.get("TE_GQA_FIX_GUARD")
-        settings.get("TE_GQA_FIX_VALIDATE")  # read by the post-pass; a typo raises here, first
+        policy, guard, validate = settings.per_call()  # a typo in any of them raises here
         if policy == "off":
             _counts[_SKIPPED] += 1
             return original(*args, **kwargs)
@@ -324,10 +339,6 @@ def _new_wrapper(original: Callable) -> Callable:
             return original(*args, **kwargs)
         picked = sig.pick(args, kwargs)
         dev = _device_index(picked[0])
-        if policy == "auto" and dev is not None:
-            if affected.passes_through(dev, *_head_dims(picked[0], picked[2])):
-                _counts[_SKIPPED] += 1  # a fixed cuDNN: nothing to repair, nothing to guard
-                return original(*args, **kwargs)
         key = _call_key(policy, dev, picked)
         try:
             decision = None if key is None else decisions.get(key)
@@ -344,13 +355,13 @@ def _new_wrapper(original: Callable) -> Callable:
         if decision.unrepairable is not None:
             out = _guarded(decision, guard, sig, args, kwargs)
             if out is not None:
-                if _zero_dead_rows(decision, picked[3:7], out):
+                if _zero_dead_rows(decision, picked[3:7], out, validate):
                     _counts[_FALLBACK] += 1
                 return out
         out = original(*args, **kwargs)
         if not decision.postpass:
             _counts[_SKIPPED] += 1
-        elif _zero_dead_rows(decision, picked[3:7], out):
+        elif _zero_dead_rows(decision, picked[3:7], out, validate):
             _counts[_FIXED] += 1
         return out
 

@@ -3,12 +3,18 @@
 #   pip     TE loads torch's cuDNN 9.19 via CUDNN_HOME/LD path GPU_KIT_CUDNN=pip
 #   route   the system machine with TE_GQA_FIX_CUDNN=auto through te-gqa-fix's installed
 #           start-up file (the wheel carried in .whl-mcore/ is installed once)
+#   cudnn927  the system machine with TE_GQA_FIX_CUDNN=strict:/tmp/cudnn-9.27/nvidia/cudnn,
+#           the cuDNN 9.27 folder .gpu-kit-cudnn/stage.sh unpacks (the route to a folder)
 use_build() {
   unset TE_GQA_FIX_CUDNN
   case "$1" in
     route)
       ensure_wheel
       export GPU_KIT_CUDNN=system TE_GQA_FIX_CUDNN=auto
+      ;;
+    cudnn927)
+      ensure_wheel
+      export GPU_KIT_CUDNN=system TE_GQA_FIX_CUDNN=strict:/tmp/cudnn-9.27/nvidia/cudnn
       ;;
     *) export GPU_KIT_CUDNN=$1 ;;
   esac

@@ -29,6 +29,8 @@ BUILDS = {
     "system": "the machine's cuDNN, which TE loads by default",
     "pip": "the cuDNN wheel torch ships, which TE loads through `CUDNN_HOME` and the loader path",
     "route": "`system` with `TE_GQA_FIX_CUDNN=auto` through the installed start-up hook",
+    "cudnn927": "`system` with `TE_GQA_FIX_CUDNN=strict:FOLDER`, FOLDER the libraries of the "
+    "`nvidia-cudnn-cu13` 9.27.0.42 wheel",
 }
 EXAMPLES = ("seed_repro", "drop_in", "context_parallel")
 GRADS = ("dq", "dk", "dv")
