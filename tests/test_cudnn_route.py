@@ -568,9 +568,17 @@ def test_auto_with_no_fixed_build_logs_or_fails(
         ((9, 0), (9, 14, 0), (128, 256), "unrepairable"),
         ((9, 0), (9, 17, 9), (64, 64), "affected"),
         ((9, 0), (8, 9, 7), (None, None), "affected"),
-        ((9, 0), (9, 18, 0), (None, None), "not_affected"),
-        ((9, 0), (9, 18, 0), (256, 256), "not_affected"),
+        # Between measured builds: the older one's live rows, the post-pass on dead rows.
+        ((9, 0), (9, 18, 0), (None, None), "affected"),
+        ((9, 0), (9, 18, 0), (256, 256), "unrepairable"),
         ((9, 0), (9, 19, 0), (256, 256), "not_affected"),
+        ((9, 0), (9, 19, 2), (None, None), "not_affected"),  # a patch release: measured
+        ((9, 0), (9, 19, 0), (256, 128), "unrepairable"),
+        ((9, 0), (9, 22, 0), (128, 128), "affected"),
+        ((9, 0), (9, 22, 0), (256, 256), "affected"),
+        ((9, 0), (9, 22, 0), (256, 128), "unrepairable"),
+        ((9, 0), (9, 27, 0), (256, 128), "not_affected"),
+        ((9, 0), (9, 31, 0), (256, 128), "not_affected"),  # newer: judged as the newest
         ((8, 0), (9, 14, 0), (256, 256), "not_affected"),
         ((10, 0), (9, 14, 0), (256, 256), "not_affected"),
         ((10, 0), (9, 10, 0), (None, None), "not_affected"),
@@ -582,6 +590,12 @@ def test_auto_with_no_fixed_build_logs_or_fails(
 def test_rule_table(capability, cudnn_v, dims, status) -> None:
     v = affected.verdict(capability, cudnn_v, *dims)
     assert v.status == status and v.reasons
+    measured = (
+        None in (capability, cudnn_v)
+        or capability[0] != 9
+        or cudnn_v[:2] in ((9, 14), (9, 19), (9, 27))
+    )
+    assert ("not measured" in " ".join(v.reasons)) is not measured, v.reasons
 
 
 def _facts(monkeypatch: pytest.MonkeyPatch, capability, cudnn_v) -> None:
@@ -599,6 +613,8 @@ def _facts(monkeypatch: pytest.MonkeyPatch, capability, cudnn_v) -> None:
         ((9, 0), (9, 14, 0), (192, 128), False),
         ((9, 0), (9, 14, 0), (128, 128), False),
         ((9, 0), (9, 19, 0), (256, 256), False),
+        ((9, 0), (9, 19, 0), (256, 128), True),
+        ((9, 0), (9, 27, 0), (256, 128), False),
         ((10, 0), (9, 14, 0), (256, 256), False),
         ((9, 0), None, (256, 256), False),
     ],
@@ -611,8 +627,10 @@ def test_unrepairable_names_the_configuration_and_the_remedy(
     msg = affected.unrepairable(0, *dims)
     assert (msg is not None) is wrong
     if wrong:
-        assert f"head dim {dims[0]}" in msg and "cuDNN 9.14.0" in msg and "sm90" in msg
-        assert "pip install 'nvidia-cudnn-cu" in msg
+        assert f"head dim {dims[0]}" in msg and f"cuDNN {cudnn_v[0]}.{cudnn_v[1]}" in msg
+        assert "sm90" in msg
+        need = "9.27" if dims == (256, 128) else "9.19"  # the oldest build measured right
+        assert f"pip install 'nvidia-cudnn-cu12>={need}'" in msg, msg
 
 
 def test_remedy_names_the_installed_fixed_build(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -622,6 +640,8 @@ def test_remedy_names_the_installed_fixed_build(monkeypatch: pytest.MonkeyPatch)
     msg = affected.unrepairable(0, 256, 256)
     assert msg is not None and "TE_GQA_FIX_CUDNN=auto" in msg
     assert "cuDNN 9.19.0 is installed at /env/site-packages/nvidia/cudnn/lib" in msg
+    msg = affected.unrepairable(0, 256, 128)  # 9.19 is wrong there too: not the remedy
+    assert msg is not None and "nvidia-cudnn-cu13>=9.27" in msg and "installed" not in msg
 
 
 @pytest.mark.parametrize(

@@ -127,8 +127,9 @@ def test_auto_repairs_where_cudnn_is_not_known_fixed(
     cudnn: Optional[tuple],
     capability: Optional[tuple],
 ) -> None:
-    """Not known to be fixed (older, or unknown): the post-pass runs on every call; at a
-    repairable head dim there is nothing to say. A fixed cuDNN on an unknown GPU is fixed."""
+    """Not measured clean (an affected cuDNN, an unknown one, an unknown GPU, a GPU other than
+    Hopper): the post-pass runs on every call; at a repairable head dim there is nothing to
+    say."""
     Stack(monkeypatch, cudnn, capability)
     fake = FakeTE("2.20")
     wrapped = wrapper_for(fake.fn)
@@ -136,12 +137,9 @@ def test_auto_repairs_where_cudnn_is_not_known_fixed(
         for _ in range(2):
             fake.backend.reset()
             wrapped(**_args(head_dim=128))
-            if cudnn == FIXED:
-                assert_untouched(fake.backend.outputs)
-            else:
-                assert_post_pass(fake.backend.outputs, RAGGED, "padding_causal", (-1, -1), None)
+            assert_post_pass(fake.backend.outputs, RAGGED, "padding_causal", (-1, -1), None)
     assert _warnings(caplog) == []
-    assert call_counts()["fixed" if cudnn != FIXED else "skipped"] == 2
+    assert call_counts()["fixed"] == 2
 
 
 # --------------------------------------------------------------------- the guard
@@ -362,8 +360,8 @@ def test_cpu_tensors_are_never_guarded(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_fixed_cudnn_still_wrong_at_256_128_goes_to_the_fallback(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, heads: dict
 ) -> None:
-    """q/k 256 with v 128 was measured wrong on cuDNN 9.19 too: on a fixed cuDNN the wrapper
-    does not pass it through; the fallback serves it, and says no cuDNN fixes it."""
+    """q/k 256 with v 128 was measured wrong on cuDNN 9.19 too: there the wrapper does not
+    pass it through; the fallback serves it, and names the build measured right (9.27)."""
     Stack(monkeypatch, FIXED)
     asked = FakeFallback(monkeypatch, None).asked
     fake = FakeTE("2.20")
@@ -374,6 +372,6 @@ def test_fixed_cudnn_still_wrong_at_256_128_goes_to_the_fallback(
     assert len(asked) == 1 and fake.backend.calls and len(fake.backend.calls) == 1
     assert call_counts()["fallback"] == 1 and call_counts()["skipped"] == 1
     (said,) = _warnings(caplog)
-    assert "256 (q/k) / 128 (v)" in said and "No cuDNN measured so far fixes it" in said, said
+    assert "256 (q/k) / 128 (v)" in said and "nvidia-cudnn-cu13>=9.27" in said, said
     assert affected.verdict(HOPPER, FIXED, 256, 128).status == "unrepairable"
     assert affected.verdict(HOPPER, FIXED, 256, 256).status == "not_affected"

@@ -1,7 +1,12 @@
 """The one rule: is THD + GQA attention affected on this GPU and cuDNN, and can the post-pass
-repair it? A table of measurements (docs/validation.md): Hopper with cuDNN < 9.18 sums stale
-workspace into dK/dV rows of sequences without queries (repairable), and at head dims above
-128 is wrong on live rows too (unrepairable). Decided once per device and head dims.
+repair it? It states what was measured (docs/validation.md), per cuDNN build, on Hopper:
+whether rows of sequences without queries hold stale workspace (the post-pass repairs them),
+and at which head dims above 128 rows that receive attention are wrong (no post-pass can
+repair them; the exact fallback serves them). Decided once per device and head dims.
+
+A cuDNN between two measured builds is judged by the older one's live rows, and its dead rows
+get the post-pass (not measured clean); one newer than the newest measured build is judged
+as that build, and ``doctor`` says it was not measured.
 """
 
 from __future__ import annotations
@@ -10,21 +15,21 @@ import threading
 from dataclasses import dataclass
 from typing import Dict, FrozenSet, Optional, Sequence, Tuple
 
-from .cudnn import CUDNN_FIXED, ENV_CUDNN, FIXED, choose_fixed, find_wheel_builds, pip_hint
+from .cudnn import CUDNN_FIXED, ENV_CUDNN, FIXED, choose_fixed, find_wheel_builds
 from .stack import runtime_facts
 
 __all__ = [
     "CUDNN_FIXED",
     "HOPPER_MAJOR",
     "MAX_REPAIRABLE_HEAD_DIM",
-    "MEASURED_CLEAN_ABOVE_128",
-    "MEASURED_WRONG_ABOVE_128",
-    "WRONG_ON_FIXED_CUDNN",
+    "MEASURED",
+    "Measurement",
     "UnrepairableConfiguration",
     "Verdict",
+    "clean_from",
     "cudnn_fixed",
     "cudnn_is_fixed",
-    "head_dims_repairable",
+    "measurement_for",
     "passes_through",
     "remedy",
     "reset",
@@ -33,20 +38,42 @@ __all__ = [
 ]
 
 HOPPER_MAJOR = 9  # compute capability 9.x
+#: Up to this head dim (q/k and v) every measured build is right on live rows.
 MAX_REPAIRABLE_HEAD_DIM = 128
-#: (q/k head dim, v head dim) above 128, measured on cuDNN 9.14 after a poisoned workspace
-#: (tests/gpu/test_head_dim.py): clean on live rows, or wrong there (MHA, GQA and MQA alike).
-#: Any other shape above 128 counts as wrong: the fallback serves it, exact either way.
-MEASURED_CLEAN_ABOVE_128: FrozenSet[Tuple[int, int]] = frozenset({(192, 128)})
-MEASURED_WRONG_ABOVE_128: FrozenSet[Tuple[int, int]] = frozenset(
-    {(160, 160), (192, 192), (224, 224), (256, 256), (256, 128)}
+Shape = Tuple[int, int]  # (q/k head dim, v head dim)
+_ABOVE_128: FrozenSet[Shape] = frozenset(
+    {(160, 160), (192, 128), (192, 192), (224, 224), (256, 128), (256, 256)}
 )
-#: Shapes measured wrong on live rows on cuDNN 9.19 as well: no cuDNN measured fixes them.
-WRONG_ON_FIXED_CUDNN: FrozenSet[Tuple[int, int]] = frozenset({(256, 128)})
 
 
-def _shapes(dims: FrozenSet[Tuple[int, int]]) -> str:
-    return ", ".join(f"{a}" if a == b else f"{a}/{b}" for a, b in sorted(dims))
+@dataclass(frozen=True)
+class Measurement:
+    """What ``tests/gpu/test_head_dim.py`` and ``test_sweep.py`` measured on one cuDNN build
+    on Hopper, MHA, GQA and MQA alike, after a poisoned workspace.
+
+    Attributes:
+        cudnn: the build (major, minor, patch).
+        stale_rows: rows of sequences without queries hold stale workspace (repairable).
+        wrong: shapes above 128 wrong on rows that receive attention.
+        clean: shapes above 128 right there. A shape in neither set counts as wrong.
+    """
+
+    cudnn: Tuple[int, int, int]
+    stale_rows: bool
+    wrong: FrozenSet[Shape]
+    clean: FrozenSet[Shape]
+
+
+#: The measured builds, oldest first.
+MEASURED: Tuple[Measurement, ...] = (
+    Measurement((9, 14, 0), True, _ABOVE_128 - {(192, 128)}, frozenset({(192, 128)})),
+    Measurement((9, 19, 0), False, frozenset({(256, 128)}), _ABOVE_128 - {(256, 128)}),
+    Measurement((9, 27, 0), False, frozenset(), _ABOVE_128),
+)
+
+
+def _shapes(dims: FrozenSet[Shape]) -> str:
+    return ", ".join(f"{a}" if a == b else f"{a}/{b}" for a, b in sorted(dims)) or "none"
 
 
 def _vstr(v: Sequence[int]) -> str:
@@ -54,16 +81,25 @@ def _vstr(v: Sequence[int]) -> str:
 
 
 def cudnn_is_fixed(cudnn_version: Optional[Sequence[int]]) -> bool:
-    """True when this cuDNN is known to be fixed (9.18 or newer); False when older or unknown."""
+    """True when this cuDNN has the stale-workspace fix (9.18 or newer); False when older or
+    unknown. Not the same as right everywhere: see :func:`verdict`."""
     return cudnn_version is not None and tuple(int(x) for x in cudnn_version) >= CUDNN_FIXED
 
 
-def head_dims_repairable(head_dim_qk: int, head_dim_v: Optional[int] = None) -> bool:
-    """Whether the post-pass makes the result exact at these head dims on an affected cuDNN."""
-    d_v = head_dim_qk if head_dim_v is None else head_dim_v
-    if head_dim_qk <= MAX_REPAIRABLE_HEAD_DIM and d_v <= MAX_REPAIRABLE_HEAD_DIM:
-        return True
-    return (int(head_dim_qk), int(d_v)) in MEASURED_CLEAN_ABOVE_128
+def measurement_for(cudnn_version: Sequence[int]) -> Tuple[Measurement, bool]:
+    """The measurement that judges this cuDNN, and whether it is this build's own.
+
+    Args:
+        cudnn_version: (major, minor, patch); a patch release counts as its minor release.
+
+    Returns:
+        The newest measured build at or below it (the oldest, for an older cuDNN), and True
+        where that build has the same major and minor version.
+    """
+    v = tuple(int(x) for x in cudnn_version)[:2]
+    below = [m for m in MEASURED if m.cudnn[:2] <= v]
+    m = below[-1] if below else MEASURED[0]
+    return m, m.cudnn[:2] == v
 
 
 @dataclass(frozen=True)
@@ -82,8 +118,14 @@ def verdict(
 ) -> Verdict:
     """What the measured facts say for THD + GQA attention on this GPU and cuDNN.
 
-    ``cudnn_version`` is the cuDNN Transformer Engine runs (not torch's). ``head_dim`` is the
-    q/k head dim and ``head_dim_v`` the v head dim (default: the same), both optional.
+    Args:
+        capability: the GPU's compute capability; cudnn_version: the cuDNN Transformer
+            Engine runs (not torch's); both None where unknown.
+        head_dim: the q/k head dim; head_dim_v: the v head dim (default: the same). Without
+            a head dim, the verdict is for head dims up to 128.
+
+    Returns:
+        A :class:`Verdict`: ``not_affected`` only where a measurement says clean.
     """
     if capability is None or cudnn_version is None:
         missing = []
@@ -103,43 +145,48 @@ def verdict(
                 "te-gqa-fix does no harm elsewhere",
             ),
         )
+    m, own = measurement_for(cud)
+    newest = cud[:2] > MEASURED[-1].cudnn[:2]
+    judged = f"cuDNN {_vstr(cud)}" + (
+        "" if own else f" (not measured; judged as the measured {_vstr(m.cudnn)})"
+    )
     shape = None if head_dim is None else (head_dim, head_dim if head_dim_v is None else head_dim_v)
-    if cudnn_is_fixed(cud) and shape in WRONG_ON_FIXED_CUDNN:
+    if shape is not None and max(shape) > MAX_REPAIRABLE_HEAD_DIM and shape not in m.clean:
+        measured = f"measured wrong there at {_shapes(m.wrong)}; clean at {_shapes(m.clean)}"
         return Verdict(
             "unrepairable",
             (
-                f"head dims {shape[0]}/{shape[1]} on {sm} are wrong on rows that receive "
-                f"attention with cuDNN {_vstr(cud)} too (measured on 9.14 and 9.19): the exact "
-                "fallback (TE_GQA_FIX_GUARD=fallback, the default) recomputes them",
+                f"head dims {shape[0]}/{shape[1]} on {sm} with {judged} are wrong on rows that "
+                f"receive attention ({measured}): no post-pass can repair it; the exact "
+                "fallback (TE_GQA_FIX_GUARD=fallback, the default) recomputes it with "
+                f"FlashAttention-2, and cuDNN {_vstr(clean_from(*shape).cudnn)} was measured "
+                f"right there ({ENV_CUDNN}=auto loads an installed one)",
             ),
         )
-    if cudnn_is_fixed(cud):
+    stale = m.stale_rows or not cudnn_is_fixed(cud) or not (own or newest)
+    if not stale:
+        scope = "head dims up to 128" if shape is None else f"head dims {shape[0]}/{shape[1]}"
         return Verdict(
             "not_affected",
-            (f"cuDNN {_vstr(cud)} >= {FIXED} initialises the GQA workspace (9.19 measured clean)",),
-        )
-    base = (
-        f"Hopper ({sm}) with cuDNN {_vstr(cud)} < {FIXED}: TE's fused_attn_bwd (THD layout, "
-        "GQA/MQA) sums stale workspace into dK/dV rows of sequences without query tokens"
-    )
-    if head_dim is not None and not head_dims_repairable(head_dim, head_dim_v):
-        shape = f"{head_dim}" if head_dim_v in (None, head_dim) else f"{head_dim}/{head_dim_v}"
-        return Verdict(
-            "unrepairable",
             (
-                base,
-                f"head dim {shape} on this cuDNN is wrong on rows that receive attention too "
-                f"(measured wrong at {_shapes(MEASURED_WRONG_ABOVE_128)}): no post-pass can "
-                "repair it; the exact fallback (TE_GQA_FIX_GUARD=fallback, the default) "
-                f"recomputes it with FlashAttention-2, and cuDNN {FIXED} or newer fixes it "
-                "(TE_GQA_FIX_CUDNN=auto loads an installed one)",
+                f"{judged} initialises the GQA workspace and is right on live rows at {scope}"
+                + (f"; wrong at {_shapes(m.wrong)} (the exact fallback serves those)" if m.wrong else ""),
             ),
-        )
-    reasons = [base, "te-gqa-fix repairs it exactly (head dims up to 128, and q/k 192 with v 128)"]
-    if head_dim is None:
+        )  # fmt: skip
+    why = (
+        f"{judged} < {FIXED}: TE's fused_attn_bwd (THD layout, GQA/MQA) sums stale workspace "
+        "into dK/dV rows of sequences without query tokens"
+        if m.stale_rows or not cudnn_is_fixed(cud)
+        else f"{judged}: rows of sequences without query tokens were not measured clean here"
+    )
+    reasons = [
+        f"Hopper ({sm}) with {why}",
+        "te-gqa-fix repairs it exactly (the post-pass zeroes those rows)",
+    ]
+    if shape is None and m.wrong:
         reasons.append(
-            f"head dims above {MAX_REPAIRABLE_HEAD_DIM} (but q/k 192 with v 128) are wrong on "
-            "live rows here: the exact fallback serves them (pass --head-dim to check)"
+            f"head dims {_shapes(m.wrong)} are wrong on live rows here: the exact fallback "
+            "serves them (pass --head-dim to check)"
         )
     return Verdict("affected", tuple(reasons))
 
@@ -152,21 +199,31 @@ class UnrepairableConfiguration(RuntimeError):
 
 
 _fixed: Dict[Optional[int], bool] = {}
+_clean: Dict[Tuple[Optional[int], int, int], bool] = {}
 #: (device, d_qk, d_v) -> None (repairable) or why not
 _decisions: Dict[Tuple[Optional[int], int, int], Optional[str]] = {}
 _lock = threading.Lock()
 
 
 def passes_through(device_index: Optional[int], d_qk: int, d_v: int) -> bool:
-    """True when the cuDNN TE runs on this device is fixed and these head dims are not among
-    the shapes it is still wrong at: nothing to repair, nothing to guard (cached lookups)."""
-    return cudnn_fixed(device_index) and (d_qk, d_v) not in WRONG_ON_FIXED_CUDNN
+    """True where a measurement on Hopper of the cuDNN TE runs on this device says these head
+    dims are clean: nothing to repair, nothing to guard (cached per key). Elsewhere (another
+    GPU, an unknown stack) the post-pass runs: harmless where nothing is wrong."""
+    key = (device_index, d_qk, d_v)
+    clean = _clean.get(key)
+    if clean is None:
+        facts = runtime_facts(device_index)
+        clean = (facts.capability or (0,))[0] == HOPPER_MAJOR and (
+            verdict(facts.capability, facts.cudnn, d_qk, d_v).status == "not_affected"
+        )
+        _clean[key] = clean
+    return clean
 
 
 def cudnn_fixed(device_index: Optional[int]) -> bool:
-    """True when the cuDNN TE runs is known to be fixed (>= 9.18), for this CUDA device.
+    """True when the cuDNN TE runs on this CUDA device has the stale-workspace fix (>= 9.18).
 
-    False when it is older or unknown (no GPU, TE does not say): then the post-pass runs.
+    False when it is older or unknown (no GPU, TE does not say).
     """
     fixed = _fixed.get(device_index)
     if fixed is None:
@@ -175,19 +232,34 @@ def cudnn_fixed(device_index: Optional[int]) -> bool:
     return fixed
 
 
-def remedy() -> str:
-    """How to get a fixed cuDNN here: the setting, where a fixed build is on disk already,
-    or the ``pip install`` that brings one."""
+def clean_from(d_qk: int, d_v: int) -> Measurement:
+    """The oldest measured build right at these head dims (dead and live rows), else the
+    newest measured build."""
+    for m in MEASURED:
+        live = max(d_qk, d_v) <= MAX_REPAIRABLE_HEAD_DIM or (d_qk, d_v) in m.clean
+        if live and not m.stale_rows:
+            return m
+    return MEASURED[-1]
+
+
+def remedy(d_qk: int = MAX_REPAIRABLE_HEAD_DIM, d_v: Optional[int] = None) -> str:
+    """How to get a cuDNN measured right at these head dims: the setting, where one is
+    installed already, or the ``pip install`` that brings one."""
+    want = clean_from(d_qk, d_qk if d_v is None else d_v).cudnn[:2]
     try:
         chosen = choose_fixed(find_wheel_builds())
     except Exception:  # a broken site folder must not turn a warning into a crash
         chosen = None
-    if chosen is not None:
+    if chosen is not None and tuple(chosen.version or ())[:2] >= want:
         return (
             f"set {ENV_CUDNN}=auto in the environment (cuDNN {chosen.version_str} is installed "
             f"at {chosen.lib_dir} but Transformer Engine does not use it)"
         )
-    return f"{pip_hint()}, then set {ENV_CUDNN}=auto in the environment"
+    v = _vstr(want)
+    return (
+        f"pip install 'nvidia-cudnn-cu12>={v}' (CUDA 12) or 'nvidia-cudnn-cu13>={v}' (CUDA 13), "
+        f"measured right at these head dims, then set {ENV_CUDNN}=auto in the environment"
+    )
 
 
 def unrepairable(device_index: Optional[int], d_qk: int, d_v: int) -> Optional[str]:
@@ -211,12 +283,10 @@ def unrepairable(device_index: Optional[int], d_qk: int, d_v: int) -> Optional[s
     if verdict(facts.capability, facts.cudnn, d_qk, d_v).status == "unrepairable":
         cap = facts.capability or (0, 0)
         shape = f"{d_qk}" if d_qk == d_v else f"{d_qk} (q/k) / {d_v} (v)"
-        fixed = cudnn_is_fixed(facts.cudnn)
         msg = (
             f"te_gqa_fix: Transformer Engine's THD attention backward with head dim {shape} on "
             f"sm{cap[0]}{cap[1]} with cuDNN {_vstr(facts.cudnn or ())} returns wrong gradients "
-            "on rows that receive attention; a post-pass cannot repair this. "
-            + ("No cuDNN measured so far fixes it." if fixed else f"Remedy: {remedy()}.")
+            f"on rows that receive attention; a post-pass cannot repair this. Remedy: {remedy(d_qk, d_v)}."
         )
     with _lock:
         _decisions[key] = msg
@@ -227,4 +297,5 @@ def reset() -> None:
     """Forget every decision (tests; or after the stack changed)."""
     with _lock:
         _fixed.clear()
+        _clean.clear()
         _decisions.clear()

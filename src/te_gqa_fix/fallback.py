@@ -1,7 +1,8 @@
 """An exact replacement for TE's ``fused_attn_bwd`` on packed THD input, on FlashAttention-2.
 
-Where cuDNN's backward is wrong on live rows (Hopper, cuDNN < 9.18, head dims above 128; q/k
-256 with v 128 on every cuDNN measured) no post-pass can repair it. PyTorch's own
+Where cuDNN's backward is wrong on live rows (on Hopper, the head dims :mod:`.affected` lists
+per cuDNN build, such as 256 on 9.14 and q/k 256 with v 128 on 9.19) no post-pass can repair
+it. PyTorch's own
 FlashAttention-2 varlen backward computes the same gradients from TE's forward output and
 softmax statistics, with the offsets kept on the device: no host sync, CUDA-graph safe.
 
