@@ -23,6 +23,7 @@ __all__ = [
     "HOPPER_MAJOR",
     "MAX_REPAIRABLE_HEAD_DIM",
     "MEASURED",
+    "NEWEST_CLEAN",
     "Measurement",
     "UnrepairableConfiguration",
     "Verdict",
@@ -70,6 +71,10 @@ MEASURED: Tuple[Measurement, ...] = (
     Measurement((9, 19, 0), False, frozenset({(256, 128)}), _ABOVE_128 - {(256, 128)}),
     Measurement((9, 27, 0), False, frozenset(), _ABOVE_128),
 )
+
+
+#: The newest measured build, right at every shape measured: what a remedy installs.
+NEWEST_CLEAN = ".".join(str(x) for x in MEASURED[-1].cudnn[:2])
 
 
 def _shapes(dims: FrozenSet[Shape]) -> str:
@@ -255,10 +260,10 @@ def remedy(d_qk: int = MAX_REPAIRABLE_HEAD_DIM, d_v: Optional[int] = None) -> st
             f"set {ENV_CUDNN}=auto in the environment (cuDNN {chosen.version_str} is installed "
             f"at {chosen.lib_dir} but Transformer Engine does not use it)"
         )
-    v = _vstr(want)
+    v = NEWEST_CLEAN
     return (
         f"pip install 'nvidia-cudnn-cu12>={v}' (CUDA 12) or 'nvidia-cudnn-cu13>={v}' (CUDA 13), "
-        f"measured right at these head dims, then set {ENV_CUDNN}=auto in the environment"
+        f"the newest build measured right, then set {ENV_CUDNN}=auto in the environment"
     )
 
 

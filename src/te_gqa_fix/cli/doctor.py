@@ -29,7 +29,7 @@ EXIT_CODES: Dict[int, str] = {
     EXIT_CANNOT_CHECK: "cannot check: no GPU, no Transformer Engine, or its cuDNN unknown",
     EXIT_UNREPAIRABLE: "broken beyond repair: a head dim neither the post-pass nor the exact "
     "fallback (TE_GQA_FIX_GUARD=fallback) covers on an affected cuDNN, or the live check found "
-    f"wrong values even with the fix; use cuDNN {cudnn.FIXED} or newer",
+    f"wrong values even with the fix; use cuDNN {affected.NEWEST_CLEAN} or newer",
 }
 LIVE_TOLERANCE = 5e-2  # fp16, head dim 8, O(1) inputs: measured errors are ~4e-4
 SENTINEL = 1000.0  # what the freed block that lands in TE's workspace holds
@@ -90,11 +90,13 @@ def decide(
     ran = bool(live.get("ran"))
     if ran and live.get("fix_ok") is False:
         advice = (
-            f"the live check found wrong values even with the fix: use cuDNN {cudnn.FIXED} or newer"
+            "the live check found wrong values even with the fix: use cuDNN "
+            f"{affected.NEWEST_CLEAN} or newer (the newest build measured right)"
         )
         return "unrepairable", EXIT_UNREPAIRABLE, advice
     if verdict_status == "unrepairable" and not fallback:
-        return "unrepairable", EXIT_UNREPAIRABLE, f"use cuDNN {cudnn.FIXED} or newer"
+        advice = f"use cuDNN {affected.NEWEST_CLEAN} or newer (the newest build measured right)"
+        return "unrepairable", EXIT_UNREPAIRABLE, advice
     if verdict_status in ("affected", "unrepairable") or (ran and live.get("bug_observed")):
         if not fix_active:
             return "affected", EXIT_AFFECTED, _TURN_ON
