@@ -32,7 +32,7 @@ def _key_bounds(
     HAS_WL: tl.constexpr,
     HAS_WR: tl.constexpr,
 ):
-    """Attended key interval ``[lo, hi)`` as :func:`te_gqa_fix.postpass._key_bounds`."""
+    """Attended key interval ``[lo, hi)`` as :func:`te_gqa_fix.masks.key_bounds`."""
     zero = tl.zeros_like(lk)
     if EXACT:
         lo = lk

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import operator
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 from ._logging import log_once
 from .te_names import MASKS as _KNOWN_MASKS
@@ -140,21 +140,42 @@ def key_span(
     return KeySpan(True, causal, left, right, top_left, bottom_right)
 
 
-def key_interval(lq: int, lk: int, span: KeySpan) -> Tuple[int, int]:
-    """Scalar form of the attended key interval ``[lo, hi)`` (reference and CLI use)."""
-    if lq <= 0 or lk <= 0:
-        return (0, 0)
+def key_bounds(lq: Any, lk: Any, span: KeySpan) -> Tuple[Any, Any]:
+    """The attended key interval ``[lo, hi)`` of each sequence: the one statement of the rule
+    in Python (``kernel._key_bounds`` restates it in Triton; the tests hold both to one
+    brute-force oracle of the mask's definition).
+
+    Args:
+        lq, lk: int tensors of per-sequence query and key counts (any device, no sync).
+        span: the mask's :class:`KeySpan`.
+
+    Returns:
+        ``(lo, hi)`` tensors; ``hi <= lo`` where no key is attended (no query, no key, or an
+        empty window).
+    """
+    zero = lk * 0
     if not span.exact:
-        return (0, lk)
+        return zero, lk.where(lq > 0, zero)
     los, his = [], []
-    for s, use in ((0, span.top_left), (lk - lq, span.bottom_right)):
+    for use, s in ((span.top_left, zero), (span.bottom_right, lk - lq)):
         if not use:
             continue
-        lo = 0 if span.window_left < 0 else max(0, s - span.window_left)
-        hi = lk if span.window_right < 0 else min(lk, lq + s + span.window_right)
-        if hi > lo:
-            los.append(lo)
-            his.append(hi)
-    if not los:
-        return (0, 0)
-    return (min(los), max(his))
+        lo = zero if span.window_left < 0 else (s - span.window_left).clamp(min=0)
+        hi = lk if span.window_right < 0 else lk.minimum(lq + s + span.window_right)
+        nonempty = hi > lo
+        # An empty interval must not widen the union of the two alignments.
+        los.append(lo.where(nonempty, lk))
+        his.append(hi.where(nonempty, zero))
+    lo, hi = los[0], his[0]
+    for extra_lo, extra_hi in zip(los[1:], his[1:]):
+        lo, hi = lo.minimum(extra_lo), hi.maximum(extra_hi)
+    return lo, hi.where(lq > 0, zero)
+
+
+def key_interval(lq: int, lk: int, span: KeySpan) -> Tuple[int, int]:
+    """:func:`key_bounds` for one sequence of ``lq`` queries and ``lk`` keys, as ints;
+    ``(0, 0)`` where no key is attended (the CLI's form)."""
+    import torch
+
+    lo, hi = (int(x) for x in key_bounds(torch.tensor([lq]), torch.tensor([lk]), span))
+    return (lo, hi) if hi > lo else (0, 0)

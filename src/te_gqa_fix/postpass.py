@@ -15,7 +15,7 @@ import torch
 
 from . import launch, offset_errors, settings
 from ._logging import log_once
-from .masks import KeySpan, key_span
+from .masks import KeySpan, key_bounds, key_span
 from .validation import (
     check_disjoint,
     check_in_place,
@@ -52,28 +52,6 @@ def _segments(rows: int, padded: torch.Tensor):
     seg = seg.clamp(0, max(nseq - 1, 0))
     pos = t - padded[seg]
     return inside, seg, pos
-
-
-def _key_bounds(lq: torch.Tensor, lk: torch.Tensor, span: KeySpan):
-    """Per-sequence attended key interval ``[lo, hi)`` (see :mod:`te_gqa_fix.masks`)."""
-    zero = torch.zeros_like(lk)
-    if not span.exact:
-        return zero, torch.where(lq > 0, lk, zero)
-    los, his = [], []
-    for use, s in ((span.top_left, zero), (span.bottom_right, lk - lq)):
-        if not use:
-            continue
-        lo = zero if span.window_left < 0 else (s - span.window_left).clamp(min=0)
-        hi = lk if span.window_right < 0 else torch.minimum(lk, lq + s + span.window_right)
-        nonempty = hi > lo
-        # An empty interval must not widen the union of the two alignments.
-        los.append(torch.where(nonempty, lo, lk))
-        his.append(torch.where(nonempty, hi, zero))
-    lo, hi = los[0], his[0]
-    for extra_lo, extra_hi in zip(los[1:], his[1:]):
-        lo, hi = torch.minimum(lo, extra_lo), torch.maximum(hi, extra_hi)
-    hi = torch.where(lq > 0, hi, zero)
-    return lo, hi
 
 
 def _any_decrease(x: torch.Tensor) -> torch.Tensor:
@@ -133,7 +111,7 @@ def _dead_rows(
         q_dead = None if rows_q is None else torch.ones(rows_q, **ones) & ok
         return DeadRows(q=q_dead, kv=torch.ones(rows_kv, **ones) & ok, errors=errors)
     lq, lk = cu_q[1:] - cu_q[:-1], cu_kv[1:] - cu_kv[:-1]
-    lo, hi = _key_bounds(lq, lk, span)
+    lo, hi = key_bounds(lq, lk, span)
     inside, seg, pos = _segments(rows_kv, pad_kv.contiguous())
     kv_keep = inside & (pos >= lo[seg]) & (pos < hi[seg])
     q_dead = None
