@@ -275,7 +275,7 @@ def test_segments_match_brute_force() -> None:
             (start_q, len_q, batch.rows_q, batch.pad_q, lq),
             (start_k, len_k, batch.rows_kv, batch.pad_kv, lk),
         ):
-            off = fallback._segments(start, start + length, rows)
+            off = fallback._varlen_offsets(start, start + length, rows)
             assert off.dtype == torch.int32 and off.numel() == 2 * len(lens) + 2
             got = off.tolist()
             assert got[0] == 0 and got[-1] == rows and got == sorted(got), (case, got)
@@ -293,7 +293,7 @@ def test_segments_keep_impossible_offsets_inside_the_buffer() -> None:
     for _ in range(200):
         lo = torch.randint(-20, 60, (6,), generator=gen, dtype=torch.int32)
         hi = lo + torch.randint(-10, 30, (6,), generator=gen, dtype=torch.int32)
-        off = fallback._segments(lo, hi, 40).tolist()
+        off = fallback._varlen_offsets(lo, hi, 40).tolist()
         assert off[0] == 0 and off[-1] == 40 and off == sorted(off) and max(off) <= 40
 
 

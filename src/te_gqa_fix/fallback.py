@@ -366,7 +366,7 @@ def _ready(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 and aligned else t.clone(memory_format=torch.contiguous_format)
 
 
-def _segments(lo: torch.Tensor, hi: torch.Tensor, rows: int) -> torch.Tensor:
+def _varlen_offsets(lo: torch.Tensor, hi: torch.Tensor, rows: int) -> torch.Tensor:
     """Varlen offsets ``[0, lo_0, hi_0, lo_1, hi_1, ..., hi_{B-1}, rows]``: sequence ``b`` is
     segment ``2b + 1`` (rows ``[lo_b, hi_b)``), every other row lies in a segment of its own.
     Clamped to the buffer and non-decreasing, so impossible offsets stay inside it. A buffer
@@ -523,8 +523,10 @@ def run(plan: Plan, call: Mapping[str, Any]) -> List[Optional[torch.Tensor]]:
     det = plan.deterministic
     start_q, len_q, start_k, len_k = _sequences(call)
     if not plan.split:
-        off_q = _segments(start_q, start_q + len_q, rows_q)
-        off_k = off_q if plan.one_segmentation else _segments(start_k, start_k + len_k, rows_k)
+        off_q = _varlen_offsets(start_q, start_q + len_q, rows_q)
+        off_k = (
+            off_q if plan.one_segmentation else _varlen_offsets(start_k, start_k + len_k, rows_k)
+        )
         dq, dk, dv = _flash(args, off_q, off_k, plan.window, det, out, lse)
     else:
         # Top-left causal: query i of a sequence sees keys [0, min(i, lk - 1)]. The first
@@ -532,11 +534,11 @@ def run(plan: Plan, call: Mapping[str, Any]) -> List[Optional[torch.Tensor]]:
         # from lk on (only when lq > lk) see every key. Keys from lq on are seen by none.
         # Each query's keys lie in one of the two calls, so TE's statistics hold in both.
         n = torch.minimum(len_q, len_k)
-        off_qa = _segments(start_q, start_q + n, rows_q)
-        off_ka = _segments(start_k, start_k + n, rows_k)
+        off_qa = _varlen_offsets(start_q, start_q + n, rows_q)
+        off_ka = _varlen_offsets(start_k, start_k + n, rows_k)
         dq, dk, dv = _flash(args, off_qa, off_ka, (-1, 0), det, out, lse)
-        off_qb = _segments(start_q + n, start_q + len_q, rows_q)
-        off_kb = _segments(start_k, start_k + len_k, rows_k)
+        off_qb = _varlen_offsets(start_q + n, start_q + len_q, rows_q)
+        off_kb = _varlen_offsets(start_k, start_k + len_k, rows_k)
         dq_b, dk_b, dv_b = _flash(args, off_qb, off_kb, (-1, -1), det, out, lse)
         # Each live query row is in one call's sequence segments (odd segment index).
         rows = torch.arange(rows_q, dtype=torch.int32, device=q.device)

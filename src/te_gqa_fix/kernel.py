@@ -65,12 +65,12 @@ def _key_bounds(
     return lo, hi
 
 
-def _seq_index(pad_ptr, rows, nseq, N_ITER: tl.constexpr):
+def _seq_index(pad_ptr, rows, nseq, SEARCH_STEPS: tl.constexpr):
     """Per row, the last ``b`` with ``pad[b] <= row`` (-1 if none), by binary search in
-    ``N_ITER = (nseq + 1).bit_length()`` steps (constexpr: the interpreter needs that)."""
+    ``SEARCH_STEPS = (nseq + 1).bit_length()`` steps (constexpr: the interpreter needs that)."""
     lo = tl.zeros_like(rows)
     hi = tl.zeros_like(rows) + (nseq + 1)
-    for _ in range(N_ITER):
+    for _ in range(SEARCH_STEPS):
         active = lo < hi
         mid = (lo + hi) >> 1
         val = tl.load(pad_ptr + mid, mask=active, other=0).to(tl.int64)
@@ -95,10 +95,10 @@ def _search_kept(
     HAS_WL: tl.constexpr,
     HAS_WR: tl.constexpr,
     KV: tl.constexpr,
-    N_ITER: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
 ):
     """Per row, whether it is kept (the ``SEARCH`` path), from its sequence's offsets."""
-    seg = _seq_index_jit(pad_ptr, rows, nseq, N_ITER)
+    seg = _seq_index_jit(pad_ptr, rows, nseq, SEARCH_STEPS)
     inside = in_buf & (seg >= 0) & (seg < nseq)
     j = tl.where(inside, seg, 0)
     start = tl.load(pad_ptr + j, mask=inside, other=0).to(tl.int64)
@@ -308,7 +308,7 @@ def _postpass_kernel(
     n_units,
     split_kv,
     split_q,
-    n_iter,
+    units_per_program,
     h_q,
     d_q,
     sq_t,
@@ -332,7 +332,7 @@ def _postpass_kernel(
     HAS_WL: tl.constexpr,
     HAS_WR: tl.constexpr,
     SEARCH: tl.constexpr,
-    N_ITER: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BD_Q: tl.constexpr,
@@ -350,7 +350,7 @@ def _postpass_kernel(
 ):
     # Units: u < units_kv are dK/dV (row block u % nblk_kv, column share u // nblk_kv of
     # split_kv), the rest dQ likewise (nblk_q, split_q). Program pid takes units pid,
-    # pid + n_prog, ... (n_iter of them at most).
+    # pid + n_prog, ... (units_per_program of them at most).
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     rel = tl.arange(0, BLOCK_T)
@@ -362,7 +362,7 @@ def _postpass_kernel(
             PAD_Q_BIT, PAD_KV_BIT, OFF_BLOCK,
         )  # fmt: skip
         bad = _or_bits_jit(err0)
-    for it in range(n_iter):
+    for it in range(units_per_program):
         u = pid + it * n_prog
         if u < n_units:
             is_kv = u < units_kv
@@ -396,13 +396,13 @@ def _postpass_kernel(
                     kept = _search_kept_jit(
                         pad_kv_ptr, cu_q_ptr, cu_kv_ptr, rows, in_buf, nseq, window_left,
                         window_right, EXACT, TOP_LEFT, BOTTOM_RIGHT, HAS_WL, HAS_WR, True,
-                        N_ITER,
+                        SEARCH_STEPS,
                     )  # fmt: skip
                 else:
                     kept = _search_kept_jit(
                         pad_q_ptr, cu_q_ptr, cu_kv_ptr, rows, in_buf, nseq, window_left,
                         window_right, EXACT, TOP_LEFT, BOTTOM_RIGHT, HAS_WL, HAS_WR, False,
-                        N_ITER,
+                        SEARCH_STEPS,
                     )  # fmt: skip
             else:
                 kept = reach > rel

@@ -146,7 +146,7 @@ def make_plan(
     meta: Dict[str, Any] = dict(
         EXACT=span.exact, TOP_LEFT=span.top_left, BOTTOM_RIGHT=span.bottom_right,
         HAS_WL=has_wl, HAS_WR=has_wr, SEARCH=search,
-        N_ITER=(nseq + 1).bit_length() if search else 0,
+        SEARCH_STEPS=(nseq + 1).bit_length() if search else 0,
         BLOCK_T=BLOCK_T, BLOCK_C=block_c,
         BD_Q=_pow2(int(q_t.shape[2])), BD_K=_pow2(int(dk.shape[2])), BD_V=_pow2(int(dv.shape[2])),
         NT_Q=-(-tiles[0] // split_q) if dq is not None else 0,

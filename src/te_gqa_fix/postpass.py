@@ -42,7 +42,7 @@ class DeadRows:
     errors: Optional[torch.Tensor] = None
 
 
-def _segments(rows: int, padded: torch.Tensor):
+def _row_sequences(rows: int, padded: torch.Tensor):
     """Per buffer row: inside a sequence (``padded[b] <= t < padded[b + 1]``), its ``b``,
     and its position in the sequence."""
     nseq = padded.numel() - 1
@@ -112,11 +112,11 @@ def _dead_rows(
         return DeadRows(q=q_dead, kv=torch.ones(rows_kv, **ones) & ok, errors=errors)
     lq, lk = cu_q[1:] - cu_q[:-1], cu_kv[1:] - cu_kv[:-1]
     lo, hi = key_bounds(lq, lk, span)
-    inside, seg, pos = _segments(rows_kv, pad_kv.contiguous())
+    inside, seg, pos = _row_sequences(rows_kv, pad_kv.contiguous())
     kv_keep = inside & (pos >= lo[seg]) & (pos < hi[seg])
     q_dead = None
     if rows_q is not None:
-        inside_q, seg_q, pos_q = _segments(rows_q, pad_q.contiguous())
+        inside_q, seg_q, pos_q = _row_sequences(rows_q, pad_q.contiguous())
         q_keep = inside_q & (pos_q < lq[seg_q]) & (lk[seg_q] > 0)
         q_dead = ~q_keep & ok
     return DeadRows(q=q_dead, kv=~kv_keep & ok, errors=errors)
