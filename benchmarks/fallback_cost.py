@@ -56,7 +56,7 @@ def _force_fallback() -> None:
     """The wrapper of this process takes every THD call for one cuDNN gets wrong on live
     rows, as on an affected stack (TE itself runs the fixed cuDNN: the ratios' base)."""
     affected.passes_through = lambda *args: False  # type: ignore[assignment]
-    affected.unrepairable = lambda *args: "benchmarks/fallback_cost.py: forced"  # type: ignore[assignment]
+    affected.why_unrepairable = lambda *args: "benchmarks/fallback_cost.py: forced"  # type: ignore[assignment]
 
 
 def main() -> None:

@@ -624,7 +624,7 @@ def test_unrepairable_names_the_configuration_and_the_remedy(
 ) -> None:
     _facts(monkeypatch, capability, cudnn_v)
     monkeypatch.setattr(affected, "find_wheel_builds", lambda search_path=None: [])
-    msg = affected.unrepairable(0, *dims)
+    msg = affected.why_unrepairable(0, *dims)
     assert (msg is not None) is wrong
     if wrong:
         assert f"head dim {dims[0]}" in msg and f"cuDNN {cudnn_v[0]}.{cudnn_v[1]}" in msg
@@ -636,10 +636,10 @@ def test_remedy_names_the_installed_fixed_build(monkeypatch: pytest.MonkeyPatch)
     _facts(monkeypatch, (9, 0), (9, 14, 0))
     build = cudnn.CudnnBuild("/env/site-packages/nvidia/cudnn/lib", (9, 19, 0), "wheel", "header")
     monkeypatch.setattr(affected, "find_wheel_builds", lambda search_path=None: [build])
-    msg = affected.unrepairable(0, 256, 256)
+    msg = affected.why_unrepairable(0, 256, 256)
     assert msg is not None and "TE_GQA_FIX_CUDNN=auto" in msg
     assert "cuDNN 9.19.0 is installed at /env/site-packages/nvidia/cudnn/lib" in msg
-    msg = affected.unrepairable(0, 256, 128)  # 9.19 is wrong there too: not the remedy
+    msg = affected.why_unrepairable(0, 256, 128)  # 9.19 is wrong there too: not the remedy
     assert msg is not None and "nvidia-cudnn-cu13>=9.27" in msg and "installed" not in msg
 
 

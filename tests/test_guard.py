@@ -347,7 +347,7 @@ def test_guard_reads_the_qk_and_v_head_dims(
 def test_cpu_tensors_are_never_guarded(monkeypatch: pytest.MonkeyPatch) -> None:
     """No CUDA device, no cuDNN: the post-pass runs, the guard is never asked."""
     asked: List[Tuple[Any, ...]] = []
-    monkeypatch.setattr(affected, "unrepairable", lambda *a: asked.append(a))
+    monkeypatch.setattr(affected, "why_unrepairable", lambda *a: asked.append(a))
     monkeypatch.setattr(affected, "cudnn_fixed", lambda *a: asked.append(a))
     monkeypatch.setenv("TE_GQA_FIX_GUARD", "strict")
     fake = FakeTE("2.20")

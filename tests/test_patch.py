@@ -298,7 +298,7 @@ def test_root_exports_only_the_user_api() -> None:
         ("KNOWN_MASK_TYPES", "masks"),
         ("get", "settings"),
         ("SettingError", "settings"),
-        ("unrepairable", "affected"),
+        ("why_unrepairable", "affected"),
         ("wrapper_for", "wrapper"),
         ("find_original", "patch"),
     ):

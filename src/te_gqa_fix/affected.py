@@ -34,8 +34,8 @@ __all__ = [
     "passes_through",
     "remedy",
     "reset",
-    "unrepairable",
     "verdict",
+    "why_unrepairable",
 ]
 
 HOPPER_MAJOR = 9  # compute capability 9.x
@@ -267,7 +267,7 @@ def remedy(d_qk: int = MAX_REPAIRABLE_HEAD_DIM, d_v: Optional[int] = None) -> st
     )
 
 
-def unrepairable(device_index: Optional[int], d_qk: int, d_v: int) -> Optional[str]:
+def why_unrepairable(device_index: Optional[int], d_qk: int, d_v: int) -> Optional[str]:
     """Why a THD backward at these head dims on this device is wrong beyond any post-pass
     (a message naming the configuration and the remedy), or None. Cached per key.
 

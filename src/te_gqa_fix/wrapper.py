@@ -232,7 +232,7 @@ def _decide(policy: str, dev: Optional[int], picked: tuple) -> Optional[Decision
     sq, sk = shape_of(q), shape_of(k)
     unrepairable = None
     if dev is not None and d_qk and d_v:
-        unrepairable = affected.unrepairable(dev, d_qk, d_v)
+        unrepairable = affected.why_unrepairable(dev, d_qk, d_v)
     h_q = int(sq[-2]) if sq and len(sq) >= 2 else None
     h_kv = int(sk[-2]) if sk and len(sk) >= 2 else None
     postpass = policy == "always" or h_q is None or h_q != h_kv

@@ -187,7 +187,7 @@ graph.replay()
 torch.cuda.synchronize()
 res = compare(batch, out, references(batch))
 from te_gqa_fix import affected
-expected = affected.unrepairable(torch.cuda.current_device(), 256, 256) is not None
+expected = affected.why_unrepairable(torch.cuda.current_device(), 256, 256) is not None
 print("RESULT", exact(res), te_gqa_fix.call_counts()["fallback"], expected, res)
 """
 
