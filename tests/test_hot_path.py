@@ -305,7 +305,7 @@ def test_new_output_metadata_is_checked_and_planned_again(
     so there is nothing left to refuse)."""
     plans: List[tuple] = []
     ran: List[Optional[object]] = []
-    real_run = postpass.run
+    real_run = postpass.zero_checked
 
     def plan(dq: Any, dk: Any, dv: Any, offsets: tuple, span: Any) -> object:
         plans.append((dq.stride(), dk.stride(), dv.stride()))
@@ -318,7 +318,7 @@ def test_new_output_metadata_is_checked_and_planned_again(
         real_run(dq, dk, dv, offsets, span, None, validate)  # the PyTorch post-pass: CPU tensors
 
     monkeypatch.setattr(postpass, "kernel_plan", plan)
-    monkeypatch.setattr(postpass, "run", run)
+    monkeypatch.setattr(postpass, "zero_checked", run)
     fake = FakeTE("2.20")
     wrapped = wrapper_for(fake.fn)
     for _ in range(2):

@@ -90,7 +90,7 @@ def kernel_zero(dq, dk, dv, offsets: tuple, span: KeySpan) -> None:
     """The kernel alone (any offset dtype it takes), through the one launch route."""
     if dk.device.type == "cuda":
         assert launch.unsupported(dq, dk, dv, offsets) is None
-    launch.launch(launch.make_plan(dq, dk, dv, offsets, span), dq, dk, dv, offsets)
+    launch.run_kernel(launch.make_plan(dq, dk, dv, offsets, span), dq, dk, dv, offsets)
 
 
 # --------------------------------------------------------------------------- cases
@@ -645,7 +645,7 @@ def test_launch_reuses_the_launcher_per_pointer_alignment(monkeypatch: pytest.Mo
     monkeypatch.setattr(launch.kernel, "build", lambda: fn)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 77, raising=False)
     for dk_now in (dk, dk, shifted, shifted, dk):
-        launch.launch(plan, dq, dk_now, dv, tuple(offs))
+        launch.run_kernel(plan, dq, dk_now, dv, tuple(offs))
     assert compiles == [0, 8] and [n for n, _ in runs] == [1, 2, 1], (compiles, runs)
     ptrs = [t.data_ptr() for t in (dq, dk, dv, *offs)]
     grid_and_handles = (*plan.grid, 77, "f", "m", None, None, None)

@@ -17,7 +17,7 @@ from . import kernel, offset_errors
 from ._logging import log_once
 from .masks import KeySpan
 
-__all__ = ["Plan", "available", "launch", "make_plan", "unsupported"]
+__all__ = ["Plan", "available", "make_plan", "run_kernel", "unsupported"]
 
 #: Rows per unit, and elements per row in one store tile (powers of two).
 BLOCK_T = 32
@@ -194,7 +194,7 @@ def _launcher(compiled: Any, plan: Plan, device: torch.device) -> Callable[..., 
     return launch_on_current_stream
 
 
-def launch(
+def run_kernel(
     plan: Plan, dq: Optional[torch.Tensor], dk: torch.Tensor, dv: torch.Tensor, offsets: tuple
 ) -> None:
     """Zero the dead rows with the kernel, on the current stream; no host sync.

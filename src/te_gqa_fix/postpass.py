@@ -27,7 +27,14 @@ from .validation import (
     shape_of,
 )
 
-__all__ = ["DeadRows", "dead_row_masks", "kernel_plan", "run", "zero_dead_rows", "zero_rows_"]
+__all__ = [
+    "DeadRows",
+    "dead_row_masks",
+    "kernel_plan",
+    "zero_checked",
+    "zero_dead_rows",
+    "zero_rows_",
+]
 
 Impl = Literal["auto", "torch", "triton"]
 
@@ -272,7 +279,7 @@ def kernel_plan(
     return launch.make_plan(dq, dk, dv, offsets, span)
 
 
-def run(
+def zero_checked(
     dq: Optional[torch.Tensor],
     dk: torch.Tensor,
     dv: torch.Tensor,
@@ -294,7 +301,7 @@ def run(
         check_values(rows_q, int(shape_of(dk)[0]), *offsets)  # type: ignore[index]
     if plan is not None and not _broken:
         try:
-            launch.launch(plan, dq, dk, dv, offsets)
+            launch.run_kernel(plan, dq, dk, dv, offsets)
             return
         except Exception as exc:  # compile or launch failure: never leave rows unzeroed
             _broken = True
@@ -355,7 +362,7 @@ def zero_dead_rows(
         named.append((name, data))
     check_disjoint(named)
     plan = None if impl == "torch" else kernel_plan(dq, dk, dv, offsets, span)
-    run(dq, dk, dv, offsets, span, plan, settings.get("TE_GQA_FIX_VALIDATE") == "on")
+    zero_checked(dq, dk, dv, offsets, span, plan, settings.get("TE_GQA_FIX_VALIDATE") == "on")
 
 
 def _zero_with_torch(

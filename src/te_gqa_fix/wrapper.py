@@ -314,7 +314,7 @@ def _zero_dead_rows(decision: Decision, offsets: tuple, out: Any, validate: str)
         span = decision.span
         decision.kernel = None if key is None else postpass.kernel_plan(dq, dk, dv, offsets, span)  # type: ignore[arg-type]
         decision.out_key = key
-    postpass.run(dq, dk, dv, offsets, decision.span, decision.kernel, validate == "on")  # type: ignore[arg-type]
+    postpass.zero_checked(dq, dk, dv, offsets, decision.span, decision.kernel, validate == "on")  # type: ignore[arg-type]
     return True
 
 

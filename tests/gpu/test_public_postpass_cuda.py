@@ -84,14 +84,14 @@ def test_public_post_pass_on_cuda_matches_the_oracle(
         dv = torch.randn(ragged.rows_kv, 2, 16, generator=gen).to(dtype).cuda()
     before = [t.cpu() for t in (dq, dk, dv)]
     launches = []
-    real = launch.launch
-    launch.launch = lambda *a: (launches.append(1), real(*a))  # type: ignore[assignment]
+    real = launch.run_kernel
+    launch.run_kernel = lambda *a: (launches.append(1), real(*a))  # type: ignore[assignment]
     try:
         zero_dead_rows(dq if with_q else None, dk, dv, *ragged.tensors("cuda"),
                        attn_mask_type=mask, window_size=window, bottom_right_diagonal=brd,
                        impl=impl)  # fmt: skip
     finally:
-        launch.launch = real  # type: ignore[assignment]
+        launch.run_kernel = real  # type: ignore[assignment]
     torch.cuda.synchronize()
     assert bool(launches) == (impl == "triton"), "the implementation asked for did not run"
     if with_q:
@@ -192,6 +192,6 @@ def test_pinned_word_is_written_by_triton_directly() -> None:
     word = offset_errors.kernel_flag(dk.device)
     assert word.is_pinned() and word.device.type == "cpu"
     plan = launch.make_plan(dq, dk, dv, tuple(offs), key_span("padding_causal"))
-    launch.launch(plan, dq, dk, dv, tuple(offs))
+    launch.run_kernel(plan, dq, dk, dv, tuple(offs))
     torch.cuda.synchronize()
     assert int(word[0]) == offset_errors.ARGUMENT_BITS["cu_seqlens_kv_padded"]
