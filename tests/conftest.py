@@ -23,7 +23,7 @@ _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:  # ``fakes`` is imported by name (also from the fake TE package)
     sys.path.insert(0, _HERE)
 
-from fakes import te_package  # noqa: E402
+from fakes import background, te_package  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -69,3 +69,24 @@ def fake_te(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         sys.modules.update(saved)
         te_package.BACKEND.reset()
         te_package.DIRECT_CALLERS.clear()
+
+
+# Slow subprocesses (tests/fakes/background.py): started once collection is over, read by
+# tests that run last, so that they use the second core meanwhile.
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list) -> None:
+    items.sort(key=lambda item: bool(background.needed(getattr(item, "fixturenames", ()))))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        for name in background.needed(getattr(item, "fixturenames", ())):
+            background.get(name)
+
+
+def pytest_sessionfinish() -> None:
+    background.stop_all()

@@ -23,6 +23,7 @@ import importlib.util
 import random
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import pytest
@@ -30,8 +31,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fakes import background
 from fakes.cuda_checks import capture, no_host_sync
-from fakes.interpreter import run_checks, worker_main
+from fakes.interpreter import results, start_checks, worker_main
 from fakes.oracle import KNOWN, Ragged, assert_rows, bits, expected_keep, make_ragged
 from te_gqa_fix import launch, offset_errors, postpass
 from te_gqa_fix.masks import KNOWN_MASK_TYPES, KeySpan, key_span
@@ -576,11 +578,17 @@ WORKER_CHECKS = {
 # --------------------------------------------------------------------------- tests
 
 
+@background.register("interpreter_results")
+def _start_interpreter(folder: Path) -> Optional[background.Job]:
+    return start_checks(__file__, folder) if importlib.util.find_spec("triton") else None
+
+
 @pytest.fixture(scope="module")
-def interpreter_results(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, dict]:
-    if importlib.util.find_spec("triton") is None:
+def interpreter_results() -> Dict[str, dict]:
+    job = background.get("interpreter_results")
+    if job is None:
         pytest.skip("needs Triton (pip install triton)")
-    return run_checks(__file__, tmp_path_factory.mktemp("interpreter"))
+    return results(job)
 
 
 @pytest.mark.parametrize("check", list(WORKER_CHECKS))
