@@ -1,20 +1,19 @@
 """Settings read as the environment is now, no host sync in the post-pass and the wrapper,
-and TE absent. The bad-input tables: tests/test_bad_input.py (the post-pass), test_hot_path.py
-(the wrapper), test_cli.py (plan and doctor); the setting typos: test_settings.py."""
+and TE absent (that importing te_gqa_fix imports no TE: the first check of
+tests/test_triton_postpass.py's worker). The bad-input tables: tests/test_bad_input.py (the
+post-pass), test_hot_path.py (the wrapper), test_cli.py (plan and doctor); the setting
+typos: test_settings.py."""
 
 from __future__ import annotations
 
 import os
 import sys
-import textwrap
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 import te_gqa_fix
-from fakes import background
 from fakes.oracle import make_ragged
 from fakes.te_outputs import FakeTE, call_arguments
 from te_gqa_fix import settings, zero_dead_rows
@@ -74,33 +73,6 @@ def test_post_pass_and_wrapper_never_sync(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 # ------------------------------------------------------------------------ TE absent
-
-
-@background.register("import_check")
-def _start_import_check(folder: Path) -> background.Job:
-    code = textwrap.dedent(
-        """
-        import sys
-        import te_gqa_fix
-        import te_gqa_fix.patch, te_gqa_fix.wrapper, te_gqa_fix.postpass, te_gqa_fix.affected
-        assert callable(te_gqa_fix.fused_attn_bwd) and callable(te_gqa_fix.install)
-        assert te_gqa_fix.is_installed() is False
-        loaded = sorted(m for m in sys.modules if m.split(".")[0] == "transformer_engine")
-        print("TE-MODULES", loaded)
-        """
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TE_GQA_FIX")}
-    return background.Job([sys.executable, "-c", code], folder, timeout=120, env=env)
-
-
-@pytest.fixture
-def import_check() -> Any:
-    return background.get("import_check").wait()  # type: ignore[union-attr]
-
-
-def test_import_does_not_import_transformer_engine(import_check: Any) -> None:
-    assert import_check.returncode == 0, import_check.stderr
-    assert "TE-MODULES []" in import_check.stdout, import_check.stdout
 
 
 @pytest.fixture

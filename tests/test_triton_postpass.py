@@ -421,7 +421,7 @@ def _examples(n: int, test: Callable[..., None], **strategies: Any) -> None:
 
 def _check_random(path: str) -> None:
     with kernel_path(path):
-        _examples(15, lambda case: run_case(case, "cpu"), case=batches())
+        _examples(10, lambda case: run_case(case, "cpu"), case=batches())
 
 
 def _check_bad_offsets(path: str) -> None:
@@ -483,7 +483,7 @@ def _malformed_body(case: Dict[str, Any]) -> None:
 
 def _check_malformed(path: str) -> None:
     with kernel_path(path, BLOCK_T=16):
-        _examples(15, _malformed_body, case=malformed())
+        _examples(10, _malformed_body, case=malformed())
 
 
 def _check_public_path() -> None:
@@ -500,7 +500,7 @@ def _check_public_path() -> None:
     real, postpass.kernel_plan = postpass.kernel_plan, cpu_kernel_plan  # type: ignore[assignment]
     try:
         _examples(
-            20,
+            12,
             _public_body,
             pairs=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5)), min_size=1, max_size=4),
             gaps=st.lists(st.integers(0, 2), min_size=8, max_size=8),
@@ -553,20 +553,27 @@ def _public_bad_offsets() -> None:
     assert bool((dk[0] == 0).all()) and torch.equal(dk[1], before[1][1])
 
 
-def _check_cpu_imports_no_triton() -> None:
+def _check_cpu_imports_no_triton_or_te() -> None:
     """First in the worker, a fresh process: the package and the post-pass on CPU tensors
-    (impl auto and triton) import no Triton. Nothing has imported it yet."""
+    (impl auto and triton) import no Triton, and the package no Transformer Engine (what it
+    does without TE: tests/test_policy_and_errors.py). Nothing has imported either yet."""
+    import te_gqa_fix.affected
     import te_gqa_fix.kernel
+    import te_gqa_fix.patch
     import te_gqa_fix.wrapper
 
+    assert callable(te_gqa_fix.fused_attn_bwd) and callable(te_gqa_fix.install)
+    assert te_gqa_fix.is_installed() is False
     offs = torch.tensor([0, 2, 5], dtype=torch.int32)
     for impl in ("auto", "triton"):
         zero_dead_rows(None, torch.ones(5, 1, 2), torch.ones(5, 1, 2), offs, offs, impl=impl)
     assert te_gqa_fix.kernel.tl is None and "triton" not in sys.modules, "Triton imported on CPU"
+    te = sorted(m for m in sys.modules if m.split(".")[0] == "transformer_engine")
+    assert te == [], f"te_gqa_fix imported {te}"
 
 
 WORKER_CHECKS = {
-    "cpu_imports_no_triton": _check_cpu_imports_no_triton,  # must stay first
+    "cpu_imports_no_triton_or_te": _check_cpu_imports_no_triton_or_te,  # must stay first
     **{f"fixed_{p}": (lambda p=p: _check_fixed(p)) for p in PATHS},
     **{f"random_{p}": (lambda p=p: _check_random(p)) for p in ("once", "chunks", "search")},
     **{f"bad_offsets_{p}": (lambda p=p: _check_bad_offsets(p)) for p in ("chunks", "search")},

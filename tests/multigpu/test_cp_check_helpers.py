@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import pytest
 import torch
@@ -265,7 +265,9 @@ def test_results_are_strict_json_and_summarised(cr, tmp_path):
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _start_dry_run(folder: Path, *extra: str, env: Optional[Dict[str, str]] = None):
+@background.register("dry_runs")
+def _start_dry_runs(folder: Path) -> Optional[background.Job]:
+    """cp_dry_runs.py: this configuration, then one with TE_GQA_FIX=off, in one launch."""
     if not (torch.distributed.is_available() and torch.distributed.is_gloo_available()):
         return None
     environ = {k: v for k, v in os.environ.items()
@@ -275,46 +277,33 @@ def _start_dry_run(folder: Path, *extra: str, env: Optional[Dict[str, str]] = No
     environ["PYTHONPATH"] = os.pathsep.join(
         [*te_package.pythonpath(fake, REPO / "src"), environ.get("PYTHONPATH", "")]
     )
-    environ.update(env or {})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(SCRIPT), "--cpu-dry-run", "--head-dim=16", "--heads=4/2,4/1",
-           "--shapes=te2186,empty", f"--out={folder / 'out'}", *extra]  # fmt: skip
+           str(SCRIPT.with_name("cp_dry_runs.py")), str(folder), "--cpu-dry-run",
+           "--head-dim=16", "--heads=4/2,4/1", "--shapes=te2186,empty"]  # fmt: skip
     return background.Job(cmd, folder, timeout=240, env=environ)
 
 
-# The harness can fail: with the post-pass disabled, patched runs keep the sentinel (one
-# configuration shows it).
-background.register("dry_run")(_start_dry_run)
-background.register("dry_run_fix_off")(
-    lambda folder: _start_dry_run(
-        folder, "--comm=p2p", "--heads=4/2", "--shapes=empty", env={"TE_GQA_FIX": "off"}
-    )
-)
-
-
-def _dry_run_results(name: str):
-    job = background.get(name)
+@pytest.fixture(scope="module")
+def dry_runs() -> Dict[str, Any]:
+    """Each run's exit status, results and output folder; the launch's output."""
+    job = background.get("dry_runs")
     if job is None:
         pytest.skip("needs torch.distributed with gloo")
     proc = job.wait()
-    path = job.folder / "out" / "cp_results_cp2.json"
-    assert path.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
-    return proc, json.loads(path.read_text()), job.folder / "out"
+    said = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0 and (job.folder / "status.json").exists(), said
+    status = json.loads((job.folder / "status.json").read_text())
+    runs = {}
+    for name, code in zip(("on", "off"), status):
+        path = job.folder / name / "cp_results_cp2.json"
+        assert path.exists(), said
+        runs[name] = (code, json.loads(path.read_text()), job.folder / name, said)
+    return runs
 
 
-@pytest.fixture
-def dry_run():
-    return _dry_run_results("dry_run")
-
-
-@pytest.fixture
-def dry_run_fix_off():
-    return _dry_run_results("dry_run_fix_off")
-
-
-def test_dry_run_patched_passes_unpatched_shows_sentinel(cr, dry_run):
-    proc, results, out = dry_run
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+def test_dry_run_patched_passes_unpatched_shows_sentinel(cr, dry_runs):
+    code, results, out, said = dry_runs["on"]
+    assert code == 0, said
     assert cr.check_results(results) == []
     recs = results["records"]
     assert results["stack"]["cp_size"] == 2
@@ -335,9 +324,10 @@ def test_dry_run_patched_passes_unpatched_shows_sentinel(cr, dry_run):
     assert "RESULT: PASS" in (out / "cp_summary_cp2.txt").read_text()
 
 
-def test_dry_run_fails_when_the_fix_is_off(cr, dry_run_fix_off):
-    proc, results, _ = dry_run_fix_off
-    assert proc.returncode != 0
+def test_dry_run_fails_when_the_fix_is_off(cr, dry_runs):
+    """The harness can fail: with the post-pass disabled, patched runs keep the sentinel."""
+    code, results, _, said = dry_runs["off"]
+    assert code != 0, said
     problems = cr.check_results(results, mode="patched")
     assert any("padding rows == 0" in p for p in problems), problems
     assert any("fixed calls > 0" in p for p in problems), problems
