@@ -141,10 +141,18 @@ def _overlapping(rows: int, heads: int, d: int, gen: torch.Generator) -> torch.T
 
 
 @FUZZ
-@given(case=metadata())
-def test_zero_dead_rows_raises_naming_an_argument_or_matches_the_oracle(
-    case: Dict[str, Any],
+@given(case=metadata(), rows_given=st.booleans())
+def test_post_pass_and_plan_raise_naming_an_argument_or_match_the_oracle(
+    case: Dict[str, Any], rows_given: bool
 ) -> None:
+    """One draw, both entry points: ``zero_dead_rows``, then ``build_plan`` (with the buffer
+    sizes, or without: the last offsets)."""
+    _zero_dead_rows_verdict(case)
+    offset_errors._reset()
+    _plan_verdict(case, rows_given)
+
+
+def _zero_dead_rows_verdict(case: Dict[str, Any]) -> None:
     gen = torch.Generator().manual_seed(case["seed"])
     d = 2
     rows_q, rows_kv = case["rows_q"], case["rows_kv"]
@@ -216,11 +224,7 @@ def test_zero_dead_rows_raises_naming_an_argument_or_matches_the_oracle(
         assert bool((bits(x)[~keep_t] == 0).all()), "a dead row was not zeroed"
 
 
-@FUZZ
-@given(case=metadata(), rows_given=st.booleans())
-def test_plan_raises_naming_a_field_or_matches_the_oracle(
-    case: Dict[str, Any], rows_given: bool
-) -> None:
+def _plan_verdict(case: Dict[str, Any], rows_given: bool) -> None:
     cu_q, cu_kv, pq, pk = case["offs"]
     pad_q = pq if case["pad_q"] else None
     pad_kv = pk if case["pad_kv"] else None
