@@ -190,19 +190,9 @@ def _zero_dead_rows_verdict(case: Dict[str, Any]) -> None:
         and _offsets_valid(cu_kv, pad_kv, rows_kv)
     )
     try:
-        zero_dead_rows(
-            dq,
-            dk,
-            dv,
-            t(cu_q),  # type: ignore[arg-type]
-            t(cu_kv),  # type: ignore[arg-type]
-            t(pad_q),
-            t(pad_kv),
-            attn_mask_type=case["mask"],  # type: ignore[arg-type]
-            window_size=case["window"],  # type: ignore[arg-type]
-            bottom_right_diagonal=case["brd"],  # type: ignore[arg-type]
-            impl="torch",
-        )
+        zero_dead_rows(dq, dk, dv, *map(t, (cu_q, cu_kv, pad_q, pad_kv)),  # type: ignore[arg-type]
+                       attn_mask_type=case["mask"], window_size=case["window"],
+                       bottom_right_diagonal=case["brd"], impl="torch")  # fmt: skip
     except (ValueError, TypeError) as exc:
         assert not valid, f"valid input refused: {exc}"
         assert _names_an_argument(exc), f"error names no argument: {exc}"
