@@ -395,7 +395,7 @@ def test_validate_keeps_its_immediate_check(case: str, monkeypatch: pytest.Monke
     monkeypatch.setenv("TE_GQA_FIX_VALIDATE", "0")
     zero_dead_rows(**bad)
     assert launches == [1]
-    monkeypatch.setenv("TE_GQA_FIX_VALIDATE", "1")
+    monkeypatch.setenv("TE_GQA_FIX_VALIDATE", "on")  # "1": test_hot_path.py
     with pytest.raises(OffsetsError) as info:
         zero_dead_rows(**bad)
     assert str(info.value) == VALIDATE_MESSAGES[case] and launches == [1]

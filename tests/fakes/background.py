@@ -42,12 +42,15 @@ class Job:
                 self.proc.wait(timeout=self.timeout)
             finally:
                 self.kill()
-            out, err = ((f.seek(0), f.read())[1] for f in self._files)
+            for f in self._files:
+                f.seek(0)
+            out, err = (f.read() for f in self._files)
             self._done = subprocess.CompletedProcess(self.proc.args, self.proc.returncode,
                                                      out, err)  # fmt: skip
         return self._done
 
     def kill(self) -> None:
+        """Kill its process group while it runs (after, the group id may not be ours)."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
