@@ -75,16 +75,18 @@ def fake_te(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 # tests that run last, so that they use the second core meanwhile.
 
 
+def _jobs(item: pytest.Item) -> list:
+    return [name for name in getattr(item, "fixturenames", ()) if name in background.STARTERS]
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list) -> None:
-    items.sort(key=lambda item: bool(background.needed(getattr(item, "fixturenames", ()))))
+    items.sort(key=lambda item: bool(_jobs(item)))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    if session.config.option.collectonly:
-        return
-    for item in session.items:
-        for name in background.needed(getattr(item, "fixturenames", ())):
+    if not session.config.option.collectonly:
+        for name in {name for item in session.items for name in _jobs(item)}:
             background.get(name)
 
 

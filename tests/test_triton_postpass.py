@@ -23,7 +23,6 @@ import importlib.util
 import random
 import sys
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import pytest
@@ -585,9 +584,9 @@ WORKER_CHECKS = {
 # --------------------------------------------------------------------------- tests
 
 
-@background.register("interpreter_results")
-def _start_interpreter(folder: Path) -> Optional[background.Job]:
-    return start_checks(__file__, folder) if importlib.util.find_spec("triton") else None
+background.STARTERS["interpreter_results"] = lambda folder: (
+    start_checks(__file__, folder) if importlib.util.find_spec("triton") else None
+)
 
 
 @pytest.fixture(scope="module")

@@ -265,7 +265,6 @@ def test_results_are_strict_json_and_summarised(cr, tmp_path):
 REPO = Path(__file__).resolve().parents[2]
 
 
-@background.register("dry_runs")
 def _start_dry_runs(folder: Path) -> Optional[background.Job]:
     """cp_dry_runs.py: this configuration, then one with TE_GQA_FIX=off, in one launch."""
     if not (torch.distributed.is_available() and torch.distributed.is_gloo_available()):
@@ -281,6 +280,9 @@ def _start_dry_runs(folder: Path) -> Optional[background.Job]:
            str(SCRIPT.with_name("cp_dry_runs.py")), str(folder), "--cpu-dry-run",
            "--head-dim=16", "--heads=4/2,4/1", "--shapes=te2186,empty"]  # fmt: skip
     return background.Job(cmd, folder, timeout=240, env=environ)
+
+
+background.STARTERS["dry_runs"] = _start_dry_runs
 
 
 @pytest.fixture(scope="module")
