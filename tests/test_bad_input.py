@@ -399,6 +399,8 @@ def test_validate_keeps_its_immediate_check(case: str, monkeypatch: pytest.Monke
     with pytest.raises(OffsetsError) as info:
         zero_dead_rows(**bad)
     assert str(info.value) == VALIDATE_MESSAGES[case] and launches == [1]
+    zero_dead_rows(**_good_call())  # good offsets pass the host check
+    assert launches == [1, 1]
 
 
 def test_a_recorded_error_surfaces_at_the_next_call_and_is_cleared() -> None:
