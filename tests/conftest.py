@@ -23,7 +23,7 @@ _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:  # ``fakes`` is imported by name (also from the fake TE package)
     sys.path.insert(0, _HERE)
 
-from fakes import te_package  # noqa: E402
+from fakes import background, te_package  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -69,3 +69,26 @@ def fake_te(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         sys.modules.update(saved)
         te_package.BACKEND.reset()
         te_package.DIRECT_CALLERS.clear()
+
+
+# Slow subprocesses (tests/fakes/background.py): started once collection is over, read by
+# tests that run last, so that they use the second core meanwhile.
+
+
+def _jobs(item: pytest.Item) -> list:
+    return [name for name in getattr(item, "fixturenames", ()) if name in background.STARTERS]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list) -> None:
+    items.sort(key=lambda item: bool(_jobs(item)))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if not session.config.option.collectonly:
+        for name in {name for item in session.items for name in _jobs(item)}:
+            background.get(name)
+
+
+def pytest_sessionfinish() -> None:
+    background.stop_all()

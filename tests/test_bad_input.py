@@ -1,17 +1,18 @@
-"""Bad input never becomes a silently wrong gradient (issues #13 and #26; a group per finding).
+"""Bad input never becomes a silently wrong gradient (issues #13, #26 and #34).
 
-Each test here failed on the code before its fix. The Triton kernel's side of findings 3
-and 6 (impossible offsets: the kernel's verdict, nothing stored, raised at the next call)
-runs under the Triton interpreter in tests/test_triton_postpass.py.
+One table per entry point of the post-pass: the bad input, then the exception and the start
+of its message, which names the argument (``zero_dead_rows``, ``dead_row_masks``,
+``check_offset_errors``); the other entry points' tables are ``REFUSED`` in test_cli.py
+(``plan``) and ``BAD`` in test_hot_path.py (the wrapper's call path). The Triton kernel's side
+of impossible offsets (its verdict, nothing stored, raised at the next call) runs under the
+Triton interpreter in tests/test_triton_postpass.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import warnings
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
@@ -22,8 +23,6 @@ import te_gqa_fix
 from fakes.oracle import assert_rows, bits, expected_keep, make_ragged
 from fakes.te_outputs import FakeFloat8, FakeTE, call_arguments
 from te_gqa_fix import launch, offset_errors, postpass, validation, zero_dead_rows
-from te_gqa_fix.cli import main
-from te_gqa_fix.cli.plan import PlanInput, build_plan, plan_from_json
 from te_gqa_fix.offset_errors import OffsetsError
 from te_gqa_fix.postpass import dead_row_masks
 from te_gqa_fix.wrapper import _new_wrapper as make_wrapper
@@ -40,73 +39,6 @@ def _clean_records() -> Any:
     offset_errors._reset()
     yield
     offset_errors._reset()
-
-
-# ------------------------------------------------------------- 1. plan --file types
-
-
-def _plan_file(tmp_path: Path, **fields: Any) -> str:
-    data = {"cu_seqlens_q": [0, 3], "cu_seqlens_kv": [0, 6], "attn_mask_type": "padding_causal"}
-    data.update(fields)
-    path = tmp_path / "batch.json"
-    path.write_text(json.dumps(data))
-    return str(path)
-
-
-def test_plan_file_string_false_is_an_error_naming_the_field(
-    tmp_path: Path, capsys: pytest.CaptureFixture
-) -> None:
-    # Before: bool("false") is True, a wrong plan (6 KV rows kept instead of 3), exit 0.
-    assert main(["plan", "--file", _plan_file(tmp_path, bottom_right_diagonal="false")]) == 2
-    err = capsys.readouterr().err
-    assert "bottom_right_diagonal: expected true, false or null" in err
-    # JSON false is the top-left diagonal of padding_causal: keys 0-2 kept.
-    assert (
-        main(["plan", "--json", "--file", _plan_file(tmp_path, bottom_right_diagonal=False)]) == 0
-    )
-    assert json.loads(capsys.readouterr().out)["dkv"]["kept"] == 3
-
-
-def test_plan_file_null_mask_is_an_error_naming_the_field(
-    tmp_path: Path, capsys: pytest.CaptureFixture
-) -> None:
-    # Before: null became the string "None" and the conservative set, exit 0.
-    assert main(["plan", "--file", _plan_file(tmp_path, attn_mask_type=None)]) == 2
-    assert "attn_mask_type: expected a string" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(
-    "fields, name",
-    [
-        ({"rows_q": "12"}, "rows_q"),
-        ({"rows_kv": 2.5}, "rows_kv"),
-        ({"rows_kv": True}, "rows_kv"),
-        ({"window_size": [-1]}, "window_size"),
-        ({"window_size": [-1, True]}, "window_size"),
-        ({"window_size": [-5, 0]}, "window_size"),
-        ({"attn_mask_type": "padding_casual"}, "attn_mask_type"),
-        ({"cu_seqlens_kv_padded": [0, "4"]}, "cu_seqlens_kv_padded"),
-        ({"cu_seqlens_q": None}, "cu_seqlens_q"),
-        ({"typo_field": 1}, "typo_field"),
-    ],
-)
-def test_plan_file_errors_name_the_field(
-    tmp_path: Path, capsys: pytest.CaptureFixture, fields: Dict[str, Any], name: str
-) -> None:
-    assert main(["plan", "--file", _plan_file(tmp_path, **fields)]) == 2
-    assert f"error: {name}:" in capsys.readouterr().err
-
-
-def test_plan_file_bad_json_names_the_option(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    path = tmp_path / "bad.json"
-    path.write_text("{not json")
-    assert main(["plan", "--file", str(path)]) == 2
-    assert "error: --file: not valid JSON" in capsys.readouterr().err
-
-
-def test_plan_from_json_keeps_real_booleans() -> None:
-    text = '{"cu_seqlens_q": [0, 3], "cu_seqlens_kv": [0, 6], "bottom_right_diagonal": true}'
-    assert plan_from_json(text).bottom_right_diagonal is True
 
 
 # ------------------------------------------------------------- the bad-input tables
@@ -208,6 +140,11 @@ SHARED = {
     "negative_first": (_set(cu_seqlens_kv_padded=_t([-1, 5, 7, 9])), OffsetsError,
                        "cu_seqlens_kv_padded: imp"),
     "decreasing_q": (_set(cu_seqlens_q=_t([0, 2, 1, 5])), OffsetsError, "cu_seqlens_q: imp"),
+    "negative_q": (_set(cu_seqlens_q=_t([-1, 2, 2, 5])), OffsetsError, "cu_seqlens_q: imp"),
+    "decreasing_kv_unpadded": (_set(cu_seqlens_kv=_t([0, 3, 2, 6]), cu_seqlens_kv_padded=None),
+                               OffsetsError, "cu_seqlens_kv: imp"),
+    "decreasing_padded": (_set(cu_seqlens_kv_padded=_t([1, 5, 4, 9])), OffsetsError,
+                          "cu_seqlens_kv, cu_seqlens_kv_padded: imp"),
     "past_buffer_padded": (_set(cu_seqlens_kv_padded=_t([1, 5, 7, 12])), OffsetsError,
                            "cu_seqlens_kv_padded: imp"),
     "padded_shorter_values": (_set(cu_seqlens_kv=_t([0, 3, 7, 8])), OffsetsError,
@@ -237,6 +174,7 @@ ZERO_DEAD_ROWS = {
                            "dk: expected a number of KV heads that divides"),
     "dq_not_thd": (_set(dq=torch.zeros(2, 5, 2, 2)), ValueError, "dq: expected a THD tensor of "
                    "shape [tokens, heads, head_dim], got (2, 5, 2, 2)"),
+    "dk_not_thd": (_set(dk=torch.zeros(10, 2, 2, 1)), ValueError, "dk: expected a THD tensor"),
     "dk_dv_rows": (_set(dv=torch.zeros(9, 2, 2)), ValueError,
                    "dv: expected the same number of token rows as dk (10), got 9"),
     "offsets_device": (_set(**{n: torch.zeros(r, h, 2, device=META)
@@ -429,6 +367,11 @@ VALIDATE_MESSAGES = {
     "negative_kv": "cu_seqlens_kv: expected non-decreasing offsets, got 0 then -3 at index 1",
     "negative_first": "cu_seqlens_kv_padded: expected offsets >= 0, got -1 first",
     "decreasing_q": "cu_seqlens_q: expected non-decreasing offsets, got 2 then 1 at index 2",
+    "negative_q": "cu_seqlens_q: expected offsets >= 0, got -1 first",
+    "decreasing_kv_unpadded": "cu_seqlens_kv: expected non-decreasing offsets, got 3 then 2 at "
+    "index 2",
+    "decreasing_padded": "cu_seqlens_kv_padded: expected non-decreasing offsets, got 5 then 4 "
+    "at index 2",
     "past_buffer_padded": "cu_seqlens_kv_padded: last offset 12 is past the 10 kv rows of the "
     "buffer",
     "padded_shorter_values": "cu_seqlens_kv: sequence 1 has 4 tokens but cu_seqlens_kv_padded "
@@ -441,19 +384,23 @@ VALIDATE_MESSAGES = {
 
 @pytest.mark.parametrize("case", sorted(VALIDATE_MESSAGES))
 def test_validate_keeps_its_immediate_check(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The kernel judges offsets on the device (on CUDA: raised at the next call);
+    # The kernel judges offsets on the device (on CUDA: raised at the next call), and so
+    # does the PyTorch path (SHARED's rows: no host read unless asked for);
     # TE_GQA_FIX_VALIDATE=1 reads them first and raises in the call, before the launch.
     launches: List[int] = []
     monkeypatch.setattr(postpass, "kernel_plan", lambda *args: object())  # as on CUDA
     monkeypatch.setattr(launch, "launch", lambda *args: launches.append(1))
     bad = _good_call()
     SHARED[case][0](bad)
+    monkeypatch.setenv("TE_GQA_FIX_VALIDATE", "0")
     zero_dead_rows(**bad)
     assert launches == [1]
-    monkeypatch.setenv("TE_GQA_FIX_VALIDATE", "1")
+    monkeypatch.setenv("TE_GQA_FIX_VALIDATE", "on")  # "1": test_hot_path.py
     with pytest.raises(OffsetsError) as info:
         zero_dead_rows(**bad)
     assert str(info.value) == VALIDATE_MESSAGES[case] and launches == [1]
+    zero_dead_rows(**_good_call())  # good offsets pass the host check
+    assert launches == [1, 1]
 
 
 def test_a_recorded_error_surfaces_at_the_next_call_and_is_cleared() -> None:
@@ -486,16 +433,6 @@ def test_the_wrapper_surfaces_a_recorded_error() -> None:
     wrapped(**call_arguments("2.20", ragged))
 
 
-def test_the_wrapper_refuses_impossible_offsets_from_te() -> None:
-    fake = FakeTE("2.20")
-    wrapped = make_wrapper(fake.fn)
-    ragged = make_ragged([(2, 3), (0, 2)], gaps_kv=[1, 0])
-    arguments = call_arguments("2.20", ragged)
-    arguments["cu_seqlens_kv_padded"] = _t([0, 4, 3])
-    with pytest.raises(OffsetsError, match="cu_seqlens_kv_padded"):
-        wrapped(**arguments)
-
-
 # ------------------------------------------------------------- mask arguments
 
 
@@ -526,7 +463,7 @@ def test_wrapper_keeps_conservative_set_for_unknown_masks_and_warns(
     assert te_gqa_fix.call_counts()["fixed"] == 4
 
 
-# ------------------------------------------------------------- 6. Triton failure
+# ------------------------------------------------------------- Triton failure
 
 
 def test_a_failing_kernel_falls_back_to_the_pytorch_post_pass(
@@ -564,24 +501,3 @@ def test_impl_torch_never_asks_for_the_kernel(monkeypatch: pytest.MonkeyPatch) -
     dq, dk, dv = _grads()
     zero_dead_rows(dq, dk, dv, **OFFS, impl="torch")  # type: ignore[arg-type]
     assert bool((dk[0] == 0).all())
-
-
-# ------------------------------------------------------------- 8. CLI negative offsets
-
-
-def test_cli_takes_negative_offsets_and_names_them(capsys: pytest.CaptureFixture) -> None:
-    # Before: argparse died on "-1,0,3" ("expected one argument").
-    code = main(["plan", "--cu-seqlens-q", "-1,0,3", "--cu-seqlens-kv", "0,3,9"])
-    assert code == 2
-    assert "cu_seqlens_q: expected offsets >= 0" in capsys.readouterr().err
-    code = main(["plan", "--cu-seqlens-q", "0,0,3", "--cu-seqlens-kv", "0,3,9", "--padded-kv",
-                 "-2,4,12"])  # fmt: skip
-    assert code == 2
-    assert "cu_seqlens_kv_padded: expected offsets >= 0" in capsys.readouterr().err
-
-
-def test_build_plan_names_malformed_fields() -> None:
-    with pytest.raises(ValueError, match=r"^bottom_right_diagonal: expected"):
-        build_plan(PlanInput((0, 3), (0, 6), bottom_right_diagonal="false"))  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"^rows_kv: expected a number of rows >= 0"):
-        build_plan(PlanInput((0, 3), (0, 6), rows_kv=-1))

@@ -218,13 +218,16 @@ def test_plan_from_json_file_matches_flags(tmp_path: Path, capsys: pytest.Captur
                 "cu_seqlens_kv_padded": [0, 4, 12],
                 "attn_mask_type": "padding_causal",
                 "window_size": [-1, -1],
+                "bottom_right_diagonal": False,  # top-left, as the mask's name says
             }
         )
     )
     from_file = run_plan_json(capsys, ["--file", str(f)])
-    from_flags = run_plan_json(capsys, SEED_ARGS)
+    from_flags = run_plan_json(capsys, [*SEED_ARGS, "--bottom-right-diagonal", "false"])
     assert from_file == from_flags
     check_side(from_file["dkv"], SEED_KV, ("attended",))
+    text = '{"cu_seqlens_q": [0, 3], "cu_seqlens_kv": [0, 6], "bottom_right_diagonal": true}'
+    assert plan_module.plan_from_json(text).bottom_right_diagonal is True
 
 
 def test_plan_needs_offsets(capsys: pytest.CaptureFixture) -> None:
@@ -274,8 +277,25 @@ REFUSED = [
     ([*Q3, *KV3, "--window", "0,9223372036854775807"], "window_size: expected two integers"),
     ([*Q3, *KV3, "--window", "-2,0"], "window_size"),
     ([*Q3, *KV3, "--mask", ""], "attn_mask_type: expected one of"),  # before: the default
+    # negative offsets (before: argparse took "-1,0,3" for an option)
+    (["--cu-seqlens-q", "-1,0,3", "--cu-seqlens-kv", "0,3,9"], "cu_seqlens_q: expected offsets "
+     ">= 0"),
+    (["--cu-seqlens-q", "0,0,3", "--cu-seqlens-kv", "0,3,9", "--padded-kv", "-2,4,12"],
+     "cu_seqlens_kv_padded: expected offsets >= 0"),
     # --file: JSON's own types, then the same checks
     ({"cu_seqlens_q": [0, True]}, "cu_seqlens_q: "),  # a JSON true is 1 in Python
+    ({"bottom_right_diagonal": "false"}, "bottom_right_diagonal: expected true, false or null"),
+    ({"attn_mask_type": None}, "attn_mask_type: expected a string"),  # before: "None"
+    *[({k: v}, f"{k}: expected an integer, got {v!r}")
+      for k, v in (("rows_q", "12"), ("rows_kv", 2.5), ("rows_kv", True))],
+    ({"rows_kv": -1}, "rows_kv: expected a number of rows >= 0, got -1"),
+    ({"window_size": [-1]}, "window_size: expected None or (left, right)"),
+    ({"window_size": [-1, True]}, "window_size: expected None or (left, right)"),
+    ({"attn_mask_type": "padding_casual"}, "attn_mask_type: expected one of"),
+    ({"cu_seqlens_kv_padded": [0, "4"]}, "cu_seqlens_kv_padded: expected a list of integers"),
+    ({"cu_seqlens_q": None}, "cu_seqlens_q: expected a list of integers, got None"),
+    ({"typo_field": 1}, "typo_field: unknown key"),
+    ("{not json", "--file: not valid JSON"),
     ({"cu_seqlens_kv_padded": [False, 6]}, "cu_seqlens_kv_padded: "),
     ({"cu_seqlens_q": [0, 2**31]}, "cu_seqlens_q: offset 2147483648 does not fit in int32"),
     ({"rows_kv": 3000000000}, "rows_kv: expected at most"),

@@ -141,10 +141,18 @@ def _overlapping(rows: int, heads: int, d: int, gen: torch.Generator) -> torch.T
 
 
 @FUZZ
-@given(case=metadata())
-def test_zero_dead_rows_raises_naming_an_argument_or_matches_the_oracle(
-    case: Dict[str, Any],
+@given(case=metadata(), rows_given=st.booleans())
+def test_post_pass_and_plan_raise_naming_an_argument_or_match_the_oracle(
+    case: Dict[str, Any], rows_given: bool
 ) -> None:
+    """One draw, both entry points: ``zero_dead_rows``, then ``build_plan`` (with the buffer
+    sizes, or without: the last offsets)."""
+    _zero_dead_rows_verdict(case)
+    offset_errors._reset()
+    _plan_verdict(case, rows_given)
+
+
+def _zero_dead_rows_verdict(case: Dict[str, Any]) -> None:
     gen = torch.Generator().manual_seed(case["seed"])
     d = 2
     rows_q, rows_kv = case["rows_q"], case["rows_kv"]
@@ -182,19 +190,9 @@ def test_zero_dead_rows_raises_naming_an_argument_or_matches_the_oracle(
         and _offsets_valid(cu_kv, pad_kv, rows_kv)
     )
     try:
-        zero_dead_rows(
-            dq,
-            dk,
-            dv,
-            t(cu_q),  # type: ignore[arg-type]
-            t(cu_kv),  # type: ignore[arg-type]
-            t(pad_q),
-            t(pad_kv),
-            attn_mask_type=case["mask"],  # type: ignore[arg-type]
-            window_size=case["window"],  # type: ignore[arg-type]
-            bottom_right_diagonal=case["brd"],  # type: ignore[arg-type]
-            impl="torch",
-        )
+        zero_dead_rows(dq, dk, dv, *map(t, (cu_q, cu_kv, pad_q, pad_kv)),  # type: ignore[arg-type]
+                       attn_mask_type=case["mask"], window_size=case["window"],
+                       bottom_right_diagonal=case["brd"], impl="torch")  # fmt: skip
     except (ValueError, TypeError) as exc:
         assert not valid, f"valid input refused: {exc}"
         assert _names_an_argument(exc), f"error names no argument: {exc}"
@@ -216,11 +214,7 @@ def test_zero_dead_rows_raises_naming_an_argument_or_matches_the_oracle(
         assert bool((bits(x)[~keep_t] == 0).all()), "a dead row was not zeroed"
 
 
-@FUZZ
-@given(case=metadata(), rows_given=st.booleans())
-def test_plan_raises_naming_a_field_or_matches_the_oracle(
-    case: Dict[str, Any], rows_given: bool
-) -> None:
+def _plan_verdict(case: Dict[str, Any], rows_given: bool) -> None:
     cu_q, cu_kv, pq, pk = case["offs"]
     pad_q = pq if case["pad_q"] else None
     pad_kv = pk if case["pad_kv"] else None

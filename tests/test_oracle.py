@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import te_gqa_fix
 from fakes.oracle import (
     KNOWN,
     Ragged,
@@ -30,10 +31,12 @@ from fakes.oracle import (
     is_ambiguous,
     make_ragged,
 )
+from fakes.te_outputs import FakeTE, call_arguments
 from te_gqa_fix import zero_dead_rows
 from te_gqa_fix.masks import KNOWN_MASK_TYPES, key_interval, key_span
 from te_gqa_fix.offset_errors import OffsetsError
 from te_gqa_fix.postpass import dead_row_masks
+from te_gqa_fix.wrapper import wrapper_for
 
 UNKNOWN_MASKS = ("arbitrary", "padding_bottom_right_typo", None)
 MASKS = (*KNOWN_MASK_TYPES, *UNKNOWN_MASKS)
@@ -167,7 +170,7 @@ def _make_grads(
     head_dim=st.integers(1, 4),
     seed=st.integers(0, 2**16),
 )
-def test_zero_set_matches_brute_force_oracle(
+def test_zero_set_and_dead_row_masks_match_brute_force_oracle(
     ragged: Ragged,
     masks,
     layout: str,
@@ -184,28 +187,25 @@ def test_zero_set_matches_brute_force_oracle(
         ragged, layout, heads_kv * group, heads_kv, head_dim, dtype, keep_q, keep_kv, seed
     )
     before = {name: t.clone() for name, t in checked.items()}
-    cu_q, cu_kv, pad_q, pad_kv = ragged.tensors()
+    offsets = ragged.tensors()
+    args = dict(attn_mask_type=mask, window_size=window, bottom_right_diagonal=brd)
+    rows = dict(rows_q=ragged.rows_q if with_dq else None, rows_kv=ragged.rows_kv)
     if not _strict_ok(mask, window):
         with pytest.raises(ValueError, match=r"^(attn_mask_type|window_size): expected"):
-            zero_dead_rows(dq, dk, dv, cu_q, cu_kv, pad_q, pad_kv, attn_mask_type=mask,
-                           window_size=window, bottom_right_diagonal=brd)  # fmt: skip
+            zero_dead_rows(dq, dk, dv, *offsets, **args)
         for name, t in checked.items():
             assert torch.equal(bits(t), bits(before[name])), "bad input must change nothing"
+        with pytest.raises(ValueError, match=r"^(attn_mask_type|window_size): expected"):
+            dead_row_masks(*offsets, **rows, **args)
         return
 
-    zero_dead_rows(
-        dq if with_dq else None,
-        dk,
-        dv,
-        cu_q,
-        cu_kv,
-        pad_q,
-        pad_kv,
-        attn_mask_type=mask,
-        window_size=window,
-        bottom_right_diagonal=brd,
-        impl="torch",
-    )
+    dead = dead_row_masks(*offsets, **rows, **args)
+    assert dead.kv.dtype == torch.bool and (~dead.kv).tolist() == keep_kv
+    if with_dq:
+        assert dead.q is not None and (~dead.q).tolist() == keep_q
+    else:
+        assert dead.q is None
+    zero_dead_rows(dq if with_dq else None, dk, dv, *offsets, **args, impl="torch")
 
     for name, t in checked.items():
         if name == "dq" and not with_dq:
@@ -218,36 +218,6 @@ def test_zero_set_matches_brute_force_oracle(
         assert torch.equal(t[keep_t], before[name][keep_t])
         # Zeroed rows are exactly 0, whatever was there (NaN and Inf included).
         assert torch.equal(t[~keep_t], torch.zeros_like(t[~keep_t]))
-
-
-@SETTINGS
-@given(ragged=raggeds(), masks=mask_args(), with_q_rows=st.booleans())
-def test_dead_row_masks_match_oracle(ragged: Ragged, masks, with_q_rows: bool) -> None:
-    mask, window, brd = masks
-    keep_q, keep_kv = expected_keep(ragged, mask, window, brd)
-    cu_q, cu_kv, pad_q, pad_kv = ragged.tensors()
-    if not _strict_ok(mask, window):
-        with pytest.raises(ValueError, match=r"^(attn_mask_type|window_size): expected"):
-            dead_row_masks(cu_q, cu_kv, pad_q, pad_kv, rows_q=None, rows_kv=ragged.rows_kv,
-                           attn_mask_type=mask, window_size=window)  # fmt: skip
-        return
-    dead = dead_row_masks(
-        cu_q,
-        cu_kv,
-        pad_q,
-        pad_kv,
-        rows_q=ragged.rows_q if with_q_rows else None,
-        rows_kv=ragged.rows_kv,
-        attn_mask_type=mask,
-        window_size=window,
-        bottom_right_diagonal=brd,
-    )
-    assert dead.kv.dtype == torch.bool
-    assert (~dead.kv).tolist() == keep_kv
-    if with_q_rows:
-        assert dead.q is not None and (~dead.q).tolist() == keep_q
-    else:
-        assert dead.q is None
 
 
 @SETTINGS
@@ -279,20 +249,11 @@ def test_causal_mask_with_positive_right_window_keeps_a_superset(
     # A causal mask cuts every query at its diagonal, so the true attended set is that of
     # right = 0. The library keeps the declared (wider) window there: more rows kept than
     # needed is allowed, fewer is not.
-    cu_q, cu_kv, pad_q, pad_kv = ragged.tensors()
     for mask in ("padding_causal", "padding_causal_bottom_right", "causal"):
         _, true_keep = expected_keep(ragged, mask, (left, 0), brd)
-        dead = dead_row_masks(
-            cu_q,
-            cu_kv,
-            pad_q,
-            pad_kv,
-            rows_q=None,
-            rows_kv=ragged.rows_kv,
-            attn_mask_type=mask,
-            window_size=(left, right),
-            bottom_right_diagonal=brd,
-        )
+        dead = dead_row_masks(*ragged.tensors(), rows_q=None, rows_kv=ragged.rows_kv,
+                              attn_mask_type=mask, window_size=(left, right),
+                              bottom_right_diagonal=brd)  # fmt: skip
         kept = (~dead.kv).tolist()
         assert all(k for k, t in zip(kept, true_keep) if t), (mask, kept, true_keep)
 
@@ -344,30 +305,16 @@ def test_hand_worked_example_sliding_window_alignments() -> None:
         (True, [F, F, F, T, T, T]),
         (None, [T, T, F, F, F, F]),  # padding: top-left by name
     ):
-        dead = dead_row_masks(
-            cu_q,
-            cu_kv,
-            rows_q=None,
-            rows_kv=6,
-            attn_mask_type="padding",
-            window_size=(1, 0),
-            bottom_right_diagonal=brd,
-        )
+        dead = dead_row_masks(cu_q, cu_kv, rows_q=None, rows_kv=6, attn_mask_type="padding",
+                              window_size=(1, 0), bottom_right_diagonal=brd)  # fmt: skip
         assert (~dead.kv).tolist() == want, brd
     # Causal name vs explicit flag disagree: both alignments are kept. Queries attend keys
     # {0, 1} (top-left) or {3, 4, 5} (bottom-right); key 2 is attended by neither, but
     # the library keeps one interval per sequence, the hull [0, 6): a superset.
     union = attention_matrix(2, 6, "padding_causal", (1, 0), True)
     assert [any(col) for col in zip(*union)] == [T, T, F, T, T, T]
-    dead = dead_row_masks(
-        cu_q,
-        cu_kv,
-        rows_q=None,
-        rows_kv=6,
-        attn_mask_type="padding_causal",
-        window_size=(1, 0),
-        bottom_right_diagonal=True,
-    )
+    dead = dead_row_masks(cu_q, cu_kv, rows_q=None, rows_kv=6, attn_mask_type="padding_causal",
+                          window_size=(1, 0), bottom_right_diagonal=True)  # fmt: skip
     assert (~dead.kv).tolist() == [T, T, T, T, T, T]
 
 
@@ -392,11 +339,22 @@ class _NoHostRead(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_the_torch_post_pass_reads_no_value_on_the_host() -> None:
-    # What lets the PyTorch path run inside CUDA-graph capture: shape-driven device ops only,
-    # impossible offsets included (judged on the device, recorded without a read).
+def _read(*args: object, **kwargs: object) -> None:
+    raise AssertionError("host read")
+
+
+def test_the_post_pass_and_the_wrapper_read_no_value_on_the_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # What lets the PyTorch path and the wrapper run inside CUDA-graph capture: shape-driven
+    # device ops only, impossible offsets included (judged on the device, recorded without a
+    # read). Tensor.tolist, .numpy and .cpu read without a dispatched op: trapped too.
+    for name in ("tolist", "numpy", "cpu"):
+        monkeypatch.setattr(torch.Tensor, name, _read)
     with pytest.raises(AssertionError, match="host read"), _NoHostRead():
-        bool(torch.ones(1) > 0)  # the check can fail
+        bool(torch.ones(1) > 0)  # the checks can fail
+    with pytest.raises(AssertionError, match="host read"):
+        torch.ones(1).tolist()
     ragged = make_ragged([(2, 3), (0, 2), (3, 0)], gaps_q=[1, 0, 1], gaps_kv=[1, 1, 0], tail_kv=2)
     offsets = ragged.tensors()
     bad = (offsets[0], torch.tensor([0, 3, 1, 5], dtype=torch.int32), *offsets[2:])
@@ -405,10 +363,17 @@ def test_the_torch_post_pass_reads_no_value_on_the_host() -> None:
     rows = dict(rows_q=ragged.rows_q, rows_kv=ragged.rows_kv)
     for mask in (*KNOWN_MASK_TYPES, "arbitrary"):
         with _NoHostRead():
-            zero_dead_rows(dq, dk, dv, *offsets, attn_mask_type=mask, impl="torch")
+            zero_dead_rows(dq, dk, dv, *offsets, attn_mask_type=mask, window_size=(2, 0),
+                           impl="torch")  # fmt: skip
             dead_row_masks(*offsets, **rows, attn_mask_type=mask, window_size=(1, 0))
     with pytest.raises(OffsetsError), _NoHostRead():  # raised from the host word, not a read
         zero_dead_rows(dq, dk, dv, *bad, impl="torch")
+    fake = FakeTE("2.20")
+    arguments = call_arguments("2.20", ragged, attn_mask_type="padding_causal_bottom_right",
+                               window_size=(1, 0))  # fmt: skip
+    with _NoHostRead():
+        wrapper_for(fake.fn)(**arguments)
+    assert te_gqa_fix.call_counts()["fixed"] == 1
 
 
 # ------------------------------------------------- against a real fp64 attention backward
@@ -480,18 +445,9 @@ def test_rows_with_nonzero_true_gradient_are_never_zeroed(
         ragged, mask, window, brd, heads_q, heads_kv, head_dim, seed
     )
     nonzero = lambda t: (t != 0).flatten(1).any(dim=1)  # noqa: E731
-    cu_q, cu_kv, pad_q, pad_kv = ragged.tensors()
-    dead = dead_row_masks(
-        cu_q,
-        cu_kv,
-        pad_q,
-        pad_kv,
-        rows_q=ragged.rows_q,
-        rows_kv=ragged.rows_kv,
-        attn_mask_type=mask,
-        window_size=window,
-        bottom_right_diagonal=brd,
-    )
+    offsets = ragged.tensors()
+    args = dict(attn_mask_type=mask, window_size=window, bottom_right_diagonal=brd)
+    dead = dead_row_masks(*offsets, rows_q=ragged.rows_q, rows_kv=ragged.rows_kv, **args)
     # 1. The post-pass never zeroes a row whose true gradient is non-zero.
     assert not (dead.q & nonzero(true_dq)).any()
     assert not (dead.kv & nonzero(true_dk)).any()
@@ -507,19 +463,7 @@ def test_rows_with_nonzero_true_gradient_are_never_zeroed(
     _poison_dead_rows(got_q, keep_q)
     _poison_dead_rows(got_k, keep_kv)
     _poison_dead_rows(got_v, keep_kv)
-    zero_dead_rows(
-        got_q,
-        got_k,
-        got_v,
-        cu_q,
-        cu_kv,
-        pad_q,
-        pad_kv,
-        attn_mask_type=mask,
-        window_size=window,
-        bottom_right_diagonal=brd,
-        impl="torch",
-    )
+    zero_dead_rows(got_q, got_k, got_v, *offsets, **args, impl="torch")
     # (by value: an unattended row's true gradient may be -0.0, the post-pass writes +0.0)
     assert torch.equal(got_q, true_dq)
     assert torch.equal(got_k, true_dk)

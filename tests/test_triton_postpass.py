@@ -30,8 +30,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fakes import background
 from fakes.cuda_checks import capture, no_host_sync
-from fakes.interpreter import run_checks, worker_main
+from fakes.interpreter import results, start_checks, worker_main
 from fakes.oracle import KNOWN, Ragged, assert_rows, bits, expected_keep, make_ragged
 from te_gqa_fix import launch, offset_errors, postpass
 from te_gqa_fix.masks import KNOWN_MASK_TYPES, KeySpan, key_span
@@ -419,7 +420,7 @@ def _examples(n: int, test: Callable[..., None], **strategies: Any) -> None:
 
 def _check_random(path: str) -> None:
     with kernel_path(path):
-        _examples(15, lambda case: run_case(case, "cpu"), case=batches())
+        _examples(10, lambda case: run_case(case, "cpu"), case=batches())
 
 
 def _check_bad_offsets(path: str) -> None:
@@ -481,7 +482,7 @@ def _malformed_body(case: Dict[str, Any]) -> None:
 
 def _check_malformed(path: str) -> None:
     with kernel_path(path, BLOCK_T=16):
-        _examples(15, _malformed_body, case=malformed())
+        _examples(10, _malformed_body, case=malformed())
 
 
 def _check_public_path() -> None:
@@ -498,7 +499,7 @@ def _check_public_path() -> None:
     real, postpass.kernel_plan = postpass.kernel_plan, cpu_kernel_plan  # type: ignore[assignment]
     try:
         _examples(
-            20,
+            12,
             _public_body,
             pairs=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5)), min_size=1, max_size=4),
             gaps=st.lists(st.integers(0, 2), min_size=8, max_size=8),
@@ -551,20 +552,27 @@ def _public_bad_offsets() -> None:
     assert bool((dk[0] == 0).all()) and torch.equal(dk[1], before[1][1])
 
 
-def _check_cpu_imports_no_triton() -> None:
+def _check_cpu_imports_no_triton_or_te() -> None:
     """First in the worker, a fresh process: the package and the post-pass on CPU tensors
-    (impl auto and triton) import no Triton. Nothing has imported it yet."""
+    (impl auto and triton) import no Triton, and the package no Transformer Engine (what it
+    does without TE: tests/test_policy_and_errors.py). Nothing has imported either yet."""
+    import te_gqa_fix.affected
     import te_gqa_fix.kernel
+    import te_gqa_fix.patch
     import te_gqa_fix.wrapper
 
+    assert callable(te_gqa_fix.fused_attn_bwd) and callable(te_gqa_fix.install)
+    assert te_gqa_fix.is_installed() is False
     offs = torch.tensor([0, 2, 5], dtype=torch.int32)
     for impl in ("auto", "triton"):
         zero_dead_rows(None, torch.ones(5, 1, 2), torch.ones(5, 1, 2), offs, offs, impl=impl)
     assert te_gqa_fix.kernel.tl is None and "triton" not in sys.modules, "Triton imported on CPU"
+    te = sorted(m for m in sys.modules if m.split(".")[0] == "transformer_engine")
+    assert te == [], f"te_gqa_fix imported {te}"
 
 
 WORKER_CHECKS = {
-    "cpu_imports_no_triton": _check_cpu_imports_no_triton,  # must stay first
+    "cpu_imports_no_triton_or_te": _check_cpu_imports_no_triton_or_te,  # must stay first
     **{f"fixed_{p}": (lambda p=p: _check_fixed(p)) for p in PATHS},
     **{f"random_{p}": (lambda p=p: _check_random(p)) for p in ("once", "chunks", "search")},
     **{f"bad_offsets_{p}": (lambda p=p: _check_bad_offsets(p)) for p in ("chunks", "search")},
@@ -576,11 +584,17 @@ WORKER_CHECKS = {
 # --------------------------------------------------------------------------- tests
 
 
+background.STARTERS["interpreter_results"] = lambda folder: (
+    start_checks(__file__, folder) if importlib.util.find_spec("triton") else None
+)
+
+
 @pytest.fixture(scope="module")
-def interpreter_results(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, dict]:
-    if importlib.util.find_spec("triton") is None:
+def interpreter_results() -> Dict[str, dict]:
+    job = background.get("interpreter_results")
+    if job is None:
         pytest.skip("needs Triton (pip install triton)")
-    return run_checks(__file__, tmp_path_factory.mktemp("interpreter"))
+    return results(job)
 
 
 @pytest.mark.parametrize("check", list(WORKER_CHECKS))

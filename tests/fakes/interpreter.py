@@ -10,33 +10,33 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Callable, Dict, Mapping
 
+from . import background
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_checks(test_file: str, out_dir: Path) -> Dict[str, dict]:
-    """``python test_file OUT`` with ``TRITON_INTERPRET=1``: ``{check: {"ok", "error",
-    "seconds"}}`` as the worker wrote it. Raises AssertionError when the worker crashed."""
+def start_checks(test_file: str, out_dir: Path) -> background.Job:
+    """Start ``python test_file OUT`` with ``TRITON_INTERPRET=1`` (its results:
+    :func:`results`)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TE_GQA_FIX")}
     env["TRITON_INTERPRET"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(ROOT / "src"), str(ROOT / "tests"), env.get("PYTHONPATH", "")) if p
     )
-    out = out_dir / "results.json"
-    proc = subprocess.run(
-        [sys.executable, str(Path(test_file).resolve()), str(out)],
-        env=env,
-        cwd=str(ROOT),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    cmd = [sys.executable, str(Path(test_file).resolve()), str(out_dir / "results.json")]
+    return background.Job(cmd, out_dir, timeout=600, env=env, cwd=str(ROOT))
+
+
+def results(job: background.Job) -> Dict[str, dict]:
+    """``{check: {"ok", "error", "seconds"}}`` as the worker wrote it. Raises AssertionError
+    when the worker crashed."""
+    proc, out = job.wait(), job.folder / "results.json"
     assert proc.returncode == 0 and out.exists(), f"worker died:\n{proc.stdout}\n{proc.stderr}"
     return json.loads(out.read_text())
 

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any, Dict, Optional
 
 import pytest
 import torch
 
+from fakes import background, te_package
 from fakes.scripts import load_script
 
 SCRIPT = Path(__file__).with_name("cp_check.py")
@@ -262,55 +265,47 @@ def test_results_are_strict_json_and_summarised(cr, tmp_path):
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _dry_run(tmp_path, *extra, env=None):
-    import os
-    import subprocess
-
-    out = tmp_path / "out"
-    environ = dict(os.environ)
-    environ.pop("OUT", None)
-    environ.pop("GPU_KIT_CUDNN", None)
-    from fakes import te_package
-
-    fake = te_package.write_fake_te(
-        tmp_path / "fake_te",
-        kernel="reference",
-        consumers=False,
-        context_parallel=True,
-        version="0.0.0+fake",
-    )
+def _start_dry_runs(folder: Path) -> Optional[background.Job]:
+    """cp_dry_runs.py: this configuration, then one with TE_GQA_FIX=off, in one launch."""
+    if not (torch.distributed.is_available() and torch.distributed.is_gloo_available()):
+        return None
+    environ = {k: v for k, v in os.environ.items()
+               if k not in ("OUT", "GPU_KIT_CUDNN") and not k.startswith("TE_GQA_FIX")}  # fmt: skip
+    fake = te_package.write_fake_te(folder / "fake_te", kernel="reference", consumers=False,
+                                    context_parallel=True, version="0.0.0+fake")  # fmt: skip
     environ["PYTHONPATH"] = os.pathsep.join(
         [*te_package.pythonpath(fake, REPO / "src"), environ.get("PYTHONPATH", "")]
     )
-    environ.update(env or {})
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        str(SCRIPT),
-        "--cpu-dry-run",
-        "--head-dim=16",
-        "--heads=4/2,4/1",
-        "--shapes=te2186,empty",
-        f"--out={out}",
-        *extra,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=environ)
-    path = out / "cp_results_cp2.json"
-    assert path.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
-    return proc, json.loads(path.read_text())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(SCRIPT.with_name("cp_dry_runs.py")), str(folder), "--cpu-dry-run",
+           "--head-dim=16", "--heads=4/2,4/1", "--shapes=te2186,empty"]  # fmt: skip
+    return background.Job(cmd, folder, timeout=240, env=environ)
 
 
-def _distributed_cpu_ok() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_gloo_available()
+background.STARTERS["dry_runs"] = _start_dry_runs
 
 
-@pytest.mark.skipif(not _distributed_cpu_ok(), reason="needs torch.distributed with gloo")
-def test_dry_run_patched_passes_unpatched_shows_sentinel(cr, tmp_path):
-    proc, results = _dry_run(tmp_path)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+@pytest.fixture(scope="module")
+def dry_runs() -> Dict[str, Any]:
+    """Each run's exit status, results and output folder; the launch's output."""
+    job = background.get("dry_runs")
+    if job is None:
+        pytest.skip("needs torch.distributed with gloo")
+    proc = job.wait()
+    said = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0 and (job.folder / "status.json").exists(), said
+    status = json.loads((job.folder / "status.json").read_text())
+    runs = {}
+    for name, code in zip(("on", "off"), status):
+        path = job.folder / name / "cp_results_cp2.json"
+        assert path.exists(), said
+        runs[name] = (code, json.loads(path.read_text()), job.folder / name, said)
+    return runs
+
+
+def test_dry_run_patched_passes_unpatched_shows_sentinel(cr, dry_runs):
+    code, results, out, said = dry_runs["on"]
+    assert code == 0, said
     assert cr.check_results(results) == []
     recs = results["records"]
     assert results["stack"]["cp_size"] == 2
@@ -328,16 +323,13 @@ def test_dry_run_patched_passes_unpatched_shows_sentinel(cr, tmp_path):
             group = r["heads_q"] // r["heads_kv"]
             assert r["pad_rows_max_abs"]["dk"] == 1000.0 * group
             assert all(n == 0 for n in r["fixed_calls"])
-    summary = (tmp_path / "out" / "cp_summary_cp2.txt").read_text()
-    assert "RESULT: PASS" in summary
+    assert "RESULT: PASS" in (out / "cp_summary_cp2.txt").read_text()
 
 
-@pytest.mark.skipif(not _distributed_cpu_ok(), reason="needs torch.distributed with gloo")
-def test_dry_run_fails_when_the_fix_is_off(cr, tmp_path):
+def test_dry_run_fails_when_the_fix_is_off(cr, dry_runs):
     """The harness can fail: with the post-pass disabled, patched runs keep the sentinel."""
-    args = ("--comm=p2p", "--heads=4/2", "--shapes=empty")  # one configuration shows it
-    proc, results = _dry_run(tmp_path, *args, env={"TE_GQA_FIX": "off"})
-    assert proc.returncode != 0
+    code, results, _, said = dry_runs["off"]
+    assert code != 0, said
     problems = cr.check_results(results, mode="patched")
     assert any("padding rows == 0" in p for p in problems), problems
     assert any("fixed calls > 0" in p for p in problems), problems

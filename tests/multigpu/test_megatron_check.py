@@ -143,32 +143,51 @@ def test_matching_runs_pass(ck):
     assert {(m["test"], m["ref"]) for m in report["matches"]} == {("b", "c"), ("b", "d")}
 
 
-def test_b_outside_the_band_fails(ck):
+def _b(c: Dict[str, List[float]], **kw: Any) -> Dict[str, Any]:
+    """Run (b), the fix on cuDNN 9.14, of curve ``c``."""
+    return make_run(c, fix=True, cudnn="9.14.0", **kw)
+
+
+def _scaled(name: str, factor: float, steps: slice = slice(None)) -> Dict[str, List[float]]:
+    c = curve(0.001, 1)
+    c[name][steps] = [x * factor for x in c[name][steps]]
+    return c
+
+
+#: An edit of the good runs (returning log overrides, or not), then the start of each
+#: problem evaluate must report.
+FAILS: Dict[str, Any] = {
+    "b outside the band": (lambda r: r.update(b=_b(_scaled("attn_qkv", 1.5, slice(5, 6)))),
+                           ["b does not match c: attn_qkv"]),  # one step off by 50%
+    "NaN in b": (lambda r: r.update(b=_b(curve(0.001, 1), nan_from=8)),
+                 ["b does not match c: loss, grad_norm, attn_qkv, attn_proj (NaN at steps [8,"]),
+    "poisoned b": (lambda r: r.update(b_poison=_b(_scaled("grad_norm", 100), poison=True)),
+                   ["b_poison does not match c: grad_norm"]),
+    # the start-up hook never logged: the fix may not be active
+    "fix not seen in b": (lambda r: {"b": "INFO\n"}, ["b: fix expected on but not seen active"]),
+    "fix seen in a": (lambda r: r.update(a=make_run(curve(0.001, 3), fix=True, cudnn="9.14.0")),
+                      ["a: fix expected off but seen active"]),
+    # the "fixed" reference ran the buggy cuDNN, and (b) a cuDNN where the fix is moot
+    "wrong cuDNN": (lambda r: (r["c"]["stack"].update(cudnn_te="9.14.0"),
+                               r["b"]["stack"].update(cudnn_te="9.19.0")),
+                    ["c: cuDNN (9, 14, 0) < 9.18", "b: cuDNN (9, 19, 0) >= 9.18"]),
+    "other initial weights": (lambda r: r["d"]["init_checksum"].update(sum=999.0),
+                              ["runs did not start from the same weights"]),
+    "incomplete or missing": (lambda r: (r["c"].update(complete=False, steps=r["c"]["steps"][:5]),
+                                         r.pop("d")),
+                              ["run d missing", "c: incomplete (5 of 12"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(FAILS))
+def test_evaluate_fails(ck, case):
+    edit, problems = FAILS[case]
     runs = good_runs()
-    bad = curve(0.001, 1)
-    bad["attn_qkv"][5] *= 1.5  # one step's attention gradient off by 50%
-    runs["b"] = make_run(bad, fix=True, cudnn="9.14.0")
-    report = ck.evaluate(runs, logs_for(runs))
+    logs = edit(runs)
+    report = ck.evaluate(runs, {**logs_for(runs), **(logs if isinstance(logs, dict) else {})})
     assert not report["ok"]
-    assert any(p.startswith("b does not match c: attn_qkv") for p in report["problems"])
-
-
-def test_nan_in_b_fails(ck):
-    runs = good_runs()
-    runs["b"] = make_run(curve(0.001, 1), fix=True, cudnn="9.14.0", nan_from=8)
-    report = ck.evaluate(runs, logs_for(runs))
-    assert not report["ok"]
-    assert any("NaN at steps [8" in p for p in report["problems"])
-
-
-def test_poisoned_b_is_checked_too(ck):
-    runs = good_runs()
-    bad = curve(0.001, 1)
-    bad["grad_norm"] = [g * 100 for g in bad["grad_norm"]]
-    runs["b_poison"] = make_run(bad, fix=True, cudnn="9.14.0", poison=True)
-    report = ck.evaluate(runs, logs_for(runs))
-    assert not report["ok"]
-    assert any(p.startswith("b_poison does not match") for p in report["problems"])
+    for problem in problems:
+        assert any(p.startswith(problem) for p in report["problems"]), report["problems"]
 
 
 def test_divergence_of_a_is_measured(ck):
@@ -195,53 +214,6 @@ def test_quiet_a_is_reported_as_not_diverged(ck):
     assert report["divergence"]["a"]["first_nan_step"] is None
 
 
-# ----------------------------------------------------------------------------- preconditions
-
-
-def test_fix_not_seen_in_b_fails(ck):
-    runs = good_runs()
-    logs = logs_for(runs)
-    logs["b"] = "INFO\n"  # the start-up hook never logged: the fix may not be active
-    report = ck.evaluate(runs, logs)
-    assert not report["ok"]
-    assert any(p.startswith("b: fix expected on") for p in report["problems"])
-
-
-def test_fix_seen_in_a_fails(ck):
-    runs = good_runs()
-    runs["a"] = make_run(curve(0.001, 3), fix=True, cudnn="9.14.0")
-    report = ck.evaluate(runs, logs_for(runs))
-    assert any(p.startswith("a: fix expected off") for p in report["problems"])
-
-
-def test_wrong_cudnn_fails(ck):
-    runs = good_runs()
-    runs["c"]["stack"]["cudnn_te"] = "9.14.0"  # the "fixed" reference ran the buggy cuDNN
-    runs["b"]["stack"]["cudnn_te"] = "9.19.0"  # and (b) a cuDNN where the fix is moot
-    report = ck.evaluate(runs, logs_for(runs))
-    assert not report["ok"]
-    assert any(p.startswith("c: cuDNN (9, 14, 0) < 9.18") for p in report["problems"])
-    assert any(p.startswith("b: cuDNN (9, 19, 0) >= 9.18") for p in report["problems"])
-
-
-def test_different_initial_weights_fail(ck):
-    runs = good_runs()
-    runs["d"]["init_checksum"]["sum"] = 999.0
-    report = ck.evaluate(runs, logs_for(runs))
-    assert any("same weights" in p for p in report["problems"])
-
-
-def test_incomplete_or_missing_run_fails(ck):
-    runs = good_runs()
-    runs["c"]["complete"] = False
-    runs["c"]["steps"] = runs["c"]["steps"][:5]
-    del runs["d"]
-    report = ck.evaluate(runs, logs_for(runs))
-    assert not report["ok"]
-    assert "run d missing" in report["problems"]
-    assert any(p.startswith("c: incomplete (5 of 12") for p in report["problems"])
-
-
 # ----------------------------------------------------------------------------- entry point
 
 
@@ -258,10 +230,7 @@ def test_main_writes_summary_and_curves(ck, tmp_path):
 
 
 def test_main_exits_nonzero_when_b_does_not_match(ck, tmp_path):
-    runs = good_runs()
-    bad = curve(0.001, 1)
-    bad["loss"] = [x * 1.2 for x in bad["loss"]]
-    runs["b"] = make_run(bad, fix=True, cudnn="9.14.0")
+    runs = {**good_runs(), "b": _b(_scaled("loss", 1.2))}
     write(tmp_path, runs, logs_for(runs))
     assert ck.main([str(tmp_path)]) == 1
     assert "RESULT: FAIL" in (tmp_path / "summary.md").read_text()
