@@ -25,7 +25,7 @@ import torch
 from common import by_name, cumsum, median, metadata, one_cpu, packed, write
 
 import te_gqa_fix
-from te_gqa_fix.launch import launch
+from te_gqa_fix.launch import run_kernel
 from te_gqa_fix.masks import key_span
 from te_gqa_fix.postpass import kernel_plan, zero_dead_rows
 from te_gqa_fix.wrapper import call_counts, wrapper_for
@@ -117,7 +117,7 @@ def host_us(
     span = key_span(kw["attn_mask_type"], kw["window_size"], kw.get("bottom_right_diagonal"))
     plan = kernel_plan(dq, dk, dv, offs, span)
     if plan is not None:
-        calls["launch"] = lambda: launch(plan, dq, dk, dv, offs)
+        calls["launch"] = lambda: run_kernel(plan, dq, dk, dv, offs)
     did = {}
     for mode, policy in modes.items():
         set_policy(policy)

@@ -389,7 +389,7 @@ def test_validate_keeps_its_immediate_check(case: str, monkeypatch: pytest.Monke
     # TE_GQA_FIX_VALIDATE=1 reads them first and raises in the call, before the launch.
     launches: List[int] = []
     monkeypatch.setattr(postpass, "kernel_plan", lambda *args: object())  # as on CUDA
-    monkeypatch.setattr(launch, "launch", lambda *args: launches.append(1))
+    monkeypatch.setattr(launch, "run_kernel", lambda *args: launches.append(1))
     bad = _good_call()
     SHARED[case][0](bad)
     monkeypatch.setenv("TE_GQA_FIX_VALIDATE", "0")
@@ -478,7 +478,7 @@ def test_a_failing_kernel_falls_back_to_the_pytorch_post_pass(
 
     monkeypatch.setattr(postpass, "_broken", False)
     monkeypatch.setattr(postpass, "kernel_plan", lambda *args: object())  # as on CUDA
-    monkeypatch.setattr(launch, "launch", boom)
+    monkeypatch.setattr(launch, "run_kernel", boom)
     ragged = make_ragged([(3, 5), (0, 4), (2, 2)], gaps_q=[1, 0, 1], gaps_kv=[0, 2, 1], tail_kv=1)
     keep_q, keep_kv = expected_keep(ragged, "padding_causal")
     for _ in range(2):  # the second call goes straight to PyTorch
