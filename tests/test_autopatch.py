@@ -22,7 +22,9 @@ import json
 import logging
 import os
 import re
+import runpy
 import shutil
+import site
 import subprocess
 import sys
 import types
@@ -139,8 +141,9 @@ def hook(monkeypatch: pytest.MonkeyPatch):
     """A fresh hook record and ``sys.meta_path``, both put back afterwards."""
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
     boot.disable()  # in case this interpreter started with TE_GQA_FIX_AUTOPATCH set
-    fresh = {"fired": False, "sites": None, "error": None, "activated_by": None}
-    monkeypatch.setattr(boot, "_state", {**fresh, "cudnn_route": False})
+    fresh = runpy.run_path(boot.__file__)["_state"]  # the record a new process starts with
+    assert not any(fresh.values()), fresh  # nothing done yet
+    monkeypatch.setattr(boot, "_state", fresh)
     return boot
 
 
@@ -203,14 +206,17 @@ def test_set_patches_when_te_is_imported_later(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("value", ["1", "on", "strict"])
 def test_set_values_patch_at_te_import(
-    fake_te: Path, hook, monkeypatch: pytest.MonkeyPatch, value: str
-) -> None:
+    fake_te: Path, hook, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    value: str,
+) -> None:  # fmt: skip
     monkeypatch.setenv(boot.ENV_AUTOPATCH, value)
     run_pth_line()
     assert boot.is_enabled() and boot.state()["activated_by"] == f"TE_GQA_FIX_AUTOPATCH={value}"
     assert sys.meta_path[0] is next(f for f in sys.meta_path if isinstance(f, boot.TEImportHook))
     assert sys.meta_path[0].strict is (value == "strict")
-    import_te()
+    with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
+        import_te()
+    assert f"was imported ({len(boot.state()['sites'])} sites rebound)" in caplog.text
     out = probe()
     assert out["consumer_patched"] is True and out["defining_patched"] is True
     assert out["dk_rows"] == EXPECTED_FIXED_ROWS and out["dv_rows"] == EXPECTED_FIXED_ROWS
@@ -256,7 +262,7 @@ def test_failure_is_logged_and_the_program_continues(
         assert import_te().__name__ == TE
     assert boot.state()["error"].startswith("ImportError")
     (record,) = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert "could not be installed" in record.getMessage()
+    assert "could not be installed" in record.getMessage() and record.exc_info
     assert "WITHOUT the fix" in record.getMessage()
 
 
@@ -347,6 +353,9 @@ def test_the_preload_hook_leaves_the_finders_behind_it_their_turn(
     boot.activate()
     boot.activate()
     assert len(boot._hooks(boot._CUDNN_MARKER)) == 1
+    # ahead of every finder; the route's import hook checks the route and never patches
+    assert sys.meta_path[:2] == boot._hooks() + boot._hooks(boot._CUDNN_MARKER)
+    assert boot._hooks()[0].patch is False
     asked: list = []
     behind = types.SimpleNamespace(find_spec=lambda name, *a: asked.append(name))
     i = sys.meta_path.index(boot._hooks(boot._CUDNN_MARKER)[0])
@@ -388,6 +397,15 @@ def test_the_preload_runs_once_then_removes_its_hook(
         assert "Transformer Engine keeps the cuDNN it finds" in caplog.text
 
 
+def test_an_unforeseen_route_error_is_logged_and_the_hook_goes(
+    hook, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr("te_gqa_fix.cudnn.use_fixed_cudnn", lambda target, strict: 1 / 0)
+    with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
+        boot.preload_cudnn("/x")
+    assert "TE_GQA_FIX_CUDNN=/x failed (ZeroDivisionError: division by zero)" in caplog.text
+
+
 def test_pth_line_reads_two_variables_and_their_off_values() -> None:
     """The .pth line decides alone whether to import anything: it reads exactly the hook's
     two variables, and its literal off values are the ones the settings read as off."""
@@ -402,7 +420,9 @@ def test_pth_line_reads_two_variables_and_their_off_values() -> None:
         assert set(eval(literal)) == {s for s, v in spellings.items() if v == "off"}
 
 
-def test_hook_ignores_other_imports_and_can_be_disabled(hook, tmp_path: Path) -> None:
+def test_hook_ignores_other_imports_and_can_be_disabled(
+    hook, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     assert not boot.is_enabled()
     boot.enable()
     boot.enable()
@@ -411,15 +431,29 @@ def test_hook_ignores_other_imports_and_can_be_disabled(hook, tmp_path: Path) ->
     assert hooks[0].find_spec("json") is None
     assert hooks[0].find_spec("transformer_engine") is None
     assert hooks[0].find_spec(TE, [str(tmp_path)]) is None  # no finder behind has it
+    spec = importlib.machinery.ModuleSpec(TE, types.SimpleNamespace())  # no exec_module
+    sys.meta_path.append(types.SimpleNamespace(find_spec=lambda *a: spec))
+    with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
+        assert hooks[0].find_spec(TE) is spec
+    assert f"cannot hook the loader of {TE}" in caplog.text
     assert boot.disable() is True
     assert not boot.is_enabled()
     assert boot.disable() is False
 
 
-def test_public_module_reports_status(hook) -> None:
+@pytest.mark.parametrize("folder", ["site-packages", "dist-packages"])
+def test_public_module_reports_status(
+    hook, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, folder: str
+) -> None:
+    """The start-up file is found in sys.path's site folders too (site can lack its API)."""
+    (tmp_path / folder).mkdir()
+    (tmp_path / folder / boot.PTH_NAME).write_text("")
+    monkeypatch.setattr(site, "getsitepackages", lambda: 1 / 0)
+    monkeypatch.setattr(sys, "path", [str(tmp_path), f"{tmp_path / folder}/"])
     boot.enable(patch=False)
     st = autopatch.status()
     assert st["hook_enabled"] is True and st["fired"] is False
+    assert st["pth"] == str(tmp_path / folder / boot.PTH_NAME)
     assert set(st) >= {"pth", "sites", "error", "activated_by", "cudnn_route"}
     assert autopatch.enable is boot.enable and autopatch.disable is boot.disable
 

@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import shutil
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,9 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
     }
     fb.wheel_build(out["old"], (9, 14, 0), how="header")
     fb.wheel_build(out["fixed"], (9, 19, 0), how="metadata")
+    decoy = out["fixed"] / "nvidia_cudnn_cu12-9.10.0.dist-info"  # its RECORD: another folder
+    decoy.mkdir()
+    (decoy / "RECORD").write_text("nvidia/cudnn/lib64/libcudnn.so.9,,\n")
     fb.wheel_build(out["newest"], (9, 20, 1), layout="nvidia/cu13/cudnn/lib", how="header")
     fb.wheel_build(out["anon"], (9, 21, 0), how="none")
     fb.system_build(out["system"], (9, 14, 0))
@@ -82,7 +86,8 @@ def test_discovery_reads_each_layout_and_version_source(builds: Dict[str, Path])
     assert by_site["site_fixed"].distribution == "nvidia-cudnn-cu13"
     assert by_site["site_newest"].version == (9, 20, 1)
     assert by_site["site_newest"].lib_dir.endswith(os.path.join("nvidia", "cu13", "cudnn", "lib"))
-    assert by_site["site_anon"].version is None and not by_site["site_anon"].fixed
+    anon = by_site["site_anon"]
+    assert anon.version is None and not anon.fixed and anon.version_str == anon.how == "unknown"
     assert [b.fixed for b in found].count(True) == 2
 
 
@@ -230,9 +235,33 @@ def test_a_build_known_wrong_is_refused_before_it_is_loaded(
 
 @pytest.mark.parametrize("sub", ["", "lib", "lib64", "lib/x86_64-linux-gnu"])
 def test_a_given_folder_or_its_lib_folder(tmp_path: Path, sub: str) -> None:
-    lib = fb.stub_build(tmp_path / "cudnn" / sub, suffix="9.19.0")
+    lib = fb.stub_build(tmp_path / "cudnn" / sub, suffix="9.19.0.56")  # cut to 3 numbers
     build = cudnn._resolve_target(str(tmp_path / "cudnn"), None)
     assert build.lib_dir == str(lib).rstrip(os.sep) and build.version == (9, 19, 0)
+
+
+HEAD = "#define CUDNN_MAJOR 9\n#define CUDNN_MINOR 19\n"
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [(HEAD, (9, 19, 0)), (HEAD.split("\n")[0], None), (HEAD.split("\n")[1], None),
+     ("\n" * (8193 - len(HEAD) - 27) + HEAD + "#define CUDNN_PATCHLEVEL 17", (9, 19, 1))],
+    ids=["no patch level", "no minor", "no major", "8 KiB read: 17 straddles byte 8192"],
+)  # fmt: skip
+def test_header_version(tmp_path: Path, text: str, expected: Optional[Tuple[int, ...]]) -> None:
+    (tmp_path / "include").mkdir()
+    (tmp_path / "include" / "cudnn_version.h").write_text(text)
+    assert cudnn._header_version(str(tmp_path / "lib")) == expected
+
+
+def test_only_the_default_search_adds_the_site_folders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lib = fb.stub_build(tmp_path / "site" / "nvidia" / "cudnn" / "lib", header_version=(9, 19, 0))
+    monkeypatch.setattr(site, "getsitepackages", lambda: [str(tmp_path / "site")])
+    assert str(lib) in [b.lib_dir for b in cudnn.find_wheel_builds()]
+    assert cudnn.find_wheel_builds([str(tmp_path)]) == []
 
 
 @pytest.mark.parametrize(
@@ -256,11 +285,11 @@ def test_file_name_version(
 @pytest.mark.parametrize(
     "version, fixed",
     [((9, 17, 9), False), ((9, 18, 0), True), ((9, 99, 9), True), ((10, 0, 0), False),
-     ((8, 9, 7), False), (None, False)],
+     ((10,), False), ((8, 9, 7), False), (None, False)],
 )  # fmt: skip
 def test_fixed_means_9_18_or_newer_within_cudnn_9(version, fixed: bool) -> None:
     build = cudnn.CudnnBuild("/x", version, "wheel", "header")
-    assert build.fixed is fixed
+    assert build.fixed is fixed and isinstance(hash(build), int)  # frozen, so hashable
     assert cudnn.choose_fixed([build]) is (build if fixed else None)
 
 
