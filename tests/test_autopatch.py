@@ -204,59 +204,67 @@ def test_set_patches_when_te_is_imported_later(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- in this process
 
 
-@pytest.mark.parametrize("value", ["1", "on", "strict"])
+@pytest.mark.parametrize(
+    "value, te_first", [("1", False), ("on", False), ("strict", False), ("1", True)]
+)
 def test_set_values_patch_at_te_import(
     fake_te: Path, hook, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
-    value: str,
+    value: str, te_first: bool,
 ) -> None:  # fmt: skip
+    """At TE's import, or at once where TE was imported before the hook activated."""
     monkeypatch.setenv(boot.ENV_AUTOPATCH, value)
-    run_pth_line()
-    assert boot.is_enabled() and boot.state()["activated_by"] == f"TE_GQA_FIX_AUTOPATCH={value}"
-    assert sys.meta_path[0] is next(f for f in sys.meta_path if isinstance(f, boot.TEImportHook))
-    assert sys.meta_path[0].strict is (value == "strict")
     with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
+        if te_first:
+            import_te()
+        run_pth_line()
+        assert boot.state()["activated_by"] == f"TE_GQA_FIX_AUTOPATCH={value}"
+        finder = next(f for f in sys.meta_path if isinstance(f, boot.TEImportHook))
+        assert sys.meta_path[0] is finder and finder.strict is (value == "strict")
         import_te()
     assert f"was imported ({len(boot.state()['sites'])} sites rebound)" in caplog.text
     out = probe()
     assert out["consumer_patched"] is True and out["defining_patched"] is True
     assert out["dk_rows"] == EXPECTED_FIXED_ROWS and out["dv_rows"] == EXPECTED_FIXED_ROWS
-    assert out["loader_exec_overridden"] is False
-
-
-def test_te_imported_before_the_hook_activates(
-    fake_te: Path, hook, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import_te()
-    monkeypatch.setenv(boot.ENV_AUTOPATCH, "1")
-    run_pth_line()
-    out = probe()
-    assert out["consumer_patched"] is True and out["defining_patched"] is True
-    assert out["dk_rows"] == EXPECTED_FIXED_ROWS
-    assert out["state"]["fired"] is True
+    assert out["loader_exec_overridden"] is False and out["state"]["fired"] is True
 
 
 def test_activation_is_idempotent(fake_te: Path, hook, monkeypatch: pytest.MonkeyPatch) -> None:
+    """And enable() says whether it installed the fix."""
+    import te_gqa_fix
     from te_gqa_fix import wrapper
 
     monkeypatch.setenv(boot.ENV_AUTOPATCH, "1")
     run_pth_line()
     run_pth_line()  # the same site dir processed twice
     boot.activate()
-    boot.enable()
+    assert boot.enable() is False  # TE not imported yet
     import_te()
-    boot.enable()  # TE imported, already installed: nothing new
+    assert boot.enable() is False  # TE imported, already installed: nothing new
     fa = sys.modules[te_package.DEFINING]
     assert not wrapper.is_wrapper(fa.fused_attn_bwd.__wrapped__)  # never a wrapper of a wrapper
     out = probe()
     assert out["hooks"] == 1
     assert out["dk_rows"] == EXPECTED_FIXED_ROWS
+    te_gqa_fix.uninstall()
+    assert boot.enable() is True and te_gqa_fix.is_installed()
 
 
-def test_failure_is_logged_and_the_program_continues(
-    fake_te: Path, hook, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+@pytest.mark.parametrize("value, te_first", [("1", False), ("strict", False), ("strict", True)])
+def test_a_failure_is_logged_or_when_strict_raised(
+    fake_te: Path, hook, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    value: str, te_first: bool,
+) -> None:  # fmt: skip
+    """Strict raises at TE's import, or at once when TE came first (from enable)."""
     te_package.write_fake_te(fake_te, signature=None)  # fused_attn without fused_attn_bwd
-    monkeypatch.setenv(boot.ENV_AUTOPATCH, "1")
+    if te_first:
+        import_te()
+    monkeypatch.setenv(boot.ENV_AUTOPATCH, value)
+    if value == "strict":
+        with pytest.raises(ImportError, match=r"^te_gqa_fix: TE_GQA_FIX_AUTOPATCH=strict and") as e:
+            run_pth_line()
+            import_te()
+        assert isinstance(e.value.__cause__, ImportError)
+        return
     run_pth_line()
     with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
         assert import_te().__name__ == TE
@@ -264,24 +272,6 @@ def test_failure_is_logged_and_the_program_continues(
     (record,) = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert "could not be installed" in record.getMessage() and record.exc_info
     assert "WITHOUT the fix" in record.getMessage()
-
-
-def test_strict_turns_a_failure_into_an_import_error(
-    fake_te: Path, hook, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    te_package.write_fake_te(fake_te, signature=None)
-    monkeypatch.setenv(boot.ENV_AUTOPATCH, "strict")
-    run_pth_line()
-    with pytest.raises(ImportError, match="te_gqa_fix: TE_GQA_FIX_AUTOPATCH=strict"):
-        import_te()
-
-
-def test_strict_with_te_already_imported_raises_from_enable(fake_te: Path, hook) -> None:
-    te_package.write_fake_te(fake_te, signature=None)
-    import_te()
-    with pytest.raises(ImportError) as err:
-        boot.enable(strict=True)
-    assert isinstance(err.value.__cause__, ImportError)
 
 
 @pytest.mark.parametrize("first, then", [(True, False), (False, True), (True, True)])
@@ -313,15 +303,6 @@ def test_the_hook_does_what_it_was_enabled_for(
     ):
         import_te()
     assert patch.is_installed() is not route
-
-
-def test_enable_says_whether_it_installed(fake_te: Path, hook) -> None:
-    import te_gqa_fix
-
-    import_te()
-    assert [boot.enable(), boot.enable()] == [True, False]  # installed, then already
-    te_gqa_fix.uninstall()
-    assert boot.enable() is True and te_gqa_fix.is_installed()
 
 
 @pytest.mark.parametrize("initializing", [True, False, None])
