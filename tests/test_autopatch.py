@@ -22,7 +22,9 @@ import json
 import logging
 import os
 import re
+import runpy
 import shutil
+import site
 import subprocess
 import sys
 import types
@@ -139,8 +141,9 @@ def hook(monkeypatch: pytest.MonkeyPatch):
     """A fresh hook record and ``sys.meta_path``, both put back afterwards."""
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
     boot.disable()  # in case this interpreter started with TE_GQA_FIX_AUTOPATCH set
-    fresh = {"fired": False, "sites": None, "error": None, "activated_by": None}
-    monkeypatch.setattr(boot, "_state", {**fresh, "cudnn_route": False})
+    fresh = runpy.run_path(boot.__file__)["_state"]  # the record a new process starts with
+    assert not any(fresh.values()), fresh  # nothing done yet
+    monkeypatch.setattr(boot, "_state", fresh)
     return boot
 
 
@@ -201,81 +204,74 @@ def test_set_patches_when_te_is_imported_later(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- in this process
 
 
-@pytest.mark.parametrize("value", ["1", "on", "strict"])
+@pytest.mark.parametrize(
+    "value, te_first", [("1", False), ("on", False), ("strict", False), ("1", True)]
+)
 def test_set_values_patch_at_te_import(
-    fake_te: Path, hook, monkeypatch: pytest.MonkeyPatch, value: str
-) -> None:
+    fake_te: Path, hook, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    value: str, te_first: bool,
+) -> None:  # fmt: skip
+    """At TE's import, or at once where TE was imported before the hook activated."""
     monkeypatch.setenv(boot.ENV_AUTOPATCH, value)
-    run_pth_line()
-    assert boot.is_enabled() and boot.state()["activated_by"] == f"TE_GQA_FIX_AUTOPATCH={value}"
-    assert sys.meta_path[0] is next(f for f in sys.meta_path if isinstance(f, boot.TEImportHook))
-    assert sys.meta_path[0].strict is (value == "strict")
-    import_te()
+    with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
+        if te_first:
+            import_te()
+        run_pth_line()
+        assert boot.state()["activated_by"] == f"TE_GQA_FIX_AUTOPATCH={value}"
+        finder = next(f for f in sys.meta_path if isinstance(f, boot.TEImportHook))
+        assert sys.meta_path[0] is finder and finder.strict is (value == "strict")
+        import_te()
+    assert f"was imported ({len(boot.state()['sites'])} sites rebound)" in caplog.text
     out = probe()
     assert out["consumer_patched"] is True and out["defining_patched"] is True
     assert out["dk_rows"] == EXPECTED_FIXED_ROWS and out["dv_rows"] == EXPECTED_FIXED_ROWS
-    assert out["loader_exec_overridden"] is False
-
-
-def test_te_imported_before_the_hook_activates(
-    fake_te: Path, hook, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import_te()
-    monkeypatch.setenv(boot.ENV_AUTOPATCH, "1")
-    run_pth_line()
-    out = probe()
-    assert out["consumer_patched"] is True and out["defining_patched"] is True
-    assert out["dk_rows"] == EXPECTED_FIXED_ROWS
-    assert out["state"]["fired"] is True
+    assert out["loader_exec_overridden"] is False and out["state"]["fired"] is True
 
 
 def test_activation_is_idempotent(fake_te: Path, hook, monkeypatch: pytest.MonkeyPatch) -> None:
+    """And enable() says whether it installed the fix."""
+    import te_gqa_fix
     from te_gqa_fix import wrapper
 
     monkeypatch.setenv(boot.ENV_AUTOPATCH, "1")
     run_pth_line()
     run_pth_line()  # the same site dir processed twice
     boot.activate()
-    boot.enable()
+    assert boot.enable() is False  # TE not imported yet
     import_te()
-    boot.enable()  # TE imported, already installed: nothing new
+    assert boot.enable() is False  # TE imported, already installed: nothing new
     fa = sys.modules[te_package.DEFINING]
     assert not wrapper.is_wrapper(fa.fused_attn_bwd.__wrapped__)  # never a wrapper of a wrapper
     out = probe()
     assert out["hooks"] == 1
     assert out["dk_rows"] == EXPECTED_FIXED_ROWS
+    te_gqa_fix.uninstall()
+    assert boot.enable() is True and te_gqa_fix.is_installed()
 
 
-def test_failure_is_logged_and_the_program_continues(
-    fake_te: Path, hook, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+@pytest.mark.parametrize("value, te_first", [("1", False), ("strict", False), ("strict", True)])
+def test_a_failure_is_logged_or_when_strict_raised(
+    fake_te: Path, hook, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    value: str, te_first: bool,
+) -> None:  # fmt: skip
+    """Strict raises at TE's import, or at once when TE came first (from enable)."""
     te_package.write_fake_te(fake_te, signature=None)  # fused_attn without fused_attn_bwd
-    monkeypatch.setenv(boot.ENV_AUTOPATCH, "1")
+    if te_first:
+        import_te()
+    monkeypatch.setenv(boot.ENV_AUTOPATCH, value)
+    if value == "strict":
+        with pytest.raises(ImportError, match=r"^te_gqa_fix: TE_GQA_FIX_AUTOPATCH=strict and") as e:
+            run_pth_line()
+            import_te()
+        assert isinstance(e.value.__cause__, ImportError)
+        return
     run_pth_line()
     with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
         assert import_te().__name__ == TE
     assert boot.state()["error"].startswith("ImportError")
     (record,) = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert "could not be installed" in record.getMessage()
+    assert "could not be installed" in record.getMessage() and record.exc_info
     assert "WITHOUT the fix" in record.getMessage()
-
-
-def test_strict_turns_a_failure_into_an_import_error(
-    fake_te: Path, hook, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    te_package.write_fake_te(fake_te, signature=None)
-    monkeypatch.setenv(boot.ENV_AUTOPATCH, "strict")
-    run_pth_line()
-    with pytest.raises(ImportError, match="te_gqa_fix: TE_GQA_FIX_AUTOPATCH=strict"):
-        import_te()
-
-
-def test_strict_with_te_already_imported_raises_from_enable(fake_te: Path, hook) -> None:
-    te_package.write_fake_te(fake_te, signature=None)
-    import_te()
-    with pytest.raises(ImportError) as err:
-        boot.enable(strict=True)
-    assert isinstance(err.value.__cause__, ImportError)
 
 
 @pytest.mark.parametrize("first, then", [(True, False), (False, True), (True, True)])
@@ -309,15 +305,6 @@ def test_the_hook_does_what_it_was_enabled_for(
     assert patch.is_installed() is not route
 
 
-def test_enable_says_whether_it_installed(fake_te: Path, hook) -> None:
-    import te_gqa_fix
-
-    import_te()
-    assert [boot.enable(), boot.enable()] == [True, False]  # installed, then already
-    te_gqa_fix.uninstall()
-    assert boot.enable() is True and te_gqa_fix.is_installed()
-
-
 @pytest.mark.parametrize("initializing", [True, False, None])
 def test_enable_while_te_is_importing_waits_for_the_hook(
     hook, monkeypatch: pytest.MonkeyPatch, initializing: bool
@@ -347,6 +334,9 @@ def test_the_preload_hook_leaves_the_finders_behind_it_their_turn(
     boot.activate()
     boot.activate()
     assert len(boot._hooks(boot._CUDNN_MARKER)) == 1
+    # ahead of every finder; the route's import hook checks the route and never patches
+    assert sys.meta_path[:2] == boot._hooks() + boot._hooks(boot._CUDNN_MARKER)
+    assert boot._hooks()[0].patch is False
     asked: list = []
     behind = types.SimpleNamespace(find_spec=lambda name, *a: asked.append(name))
     i = sys.meta_path.index(boot._hooks(boot._CUDNN_MARKER)[0])
@@ -388,6 +378,15 @@ def test_the_preload_runs_once_then_removes_its_hook(
         assert "Transformer Engine keeps the cuDNN it finds" in caplog.text
 
 
+def test_an_unforeseen_route_error_is_logged_and_the_hook_goes(
+    hook, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr("te_gqa_fix.cudnn.use_fixed_cudnn", lambda target, strict: 1 / 0)
+    with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
+        boot.preload_cudnn("/x")
+    assert "TE_GQA_FIX_CUDNN=/x failed (ZeroDivisionError: division by zero)" in caplog.text
+
+
 def test_pth_line_reads_two_variables_and_their_off_values() -> None:
     """The .pth line decides alone whether to import anything: it reads exactly the hook's
     two variables, and its literal off values are the ones the settings read as off."""
@@ -402,7 +401,9 @@ def test_pth_line_reads_two_variables_and_their_off_values() -> None:
         assert set(eval(literal)) == {s for s, v in spellings.items() if v == "off"}
 
 
-def test_hook_ignores_other_imports_and_can_be_disabled(hook, tmp_path: Path) -> None:
+def test_hook_ignores_other_imports_and_can_be_disabled(
+    hook, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     assert not boot.is_enabled()
     boot.enable()
     boot.enable()
@@ -411,15 +412,29 @@ def test_hook_ignores_other_imports_and_can_be_disabled(hook, tmp_path: Path) ->
     assert hooks[0].find_spec("json") is None
     assert hooks[0].find_spec("transformer_engine") is None
     assert hooks[0].find_spec(TE, [str(tmp_path)]) is None  # no finder behind has it
+    spec = importlib.machinery.ModuleSpec(TE, types.SimpleNamespace())  # no exec_module
+    sys.meta_path.append(types.SimpleNamespace(find_spec=lambda *a: spec))
+    with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
+        assert hooks[0].find_spec(TE) is spec
+    assert f"cannot hook the loader of {TE}" in caplog.text
     assert boot.disable() is True
     assert not boot.is_enabled()
     assert boot.disable() is False
 
 
-def test_public_module_reports_status(hook) -> None:
+@pytest.mark.parametrize("folder", ["site-packages", "dist-packages"])
+def test_public_module_reports_status(
+    hook, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, folder: str
+) -> None:
+    """The start-up file is found in sys.path's site folders too (site can lack its API)."""
+    (tmp_path / folder).mkdir()
+    (tmp_path / folder / boot.PTH_NAME).write_text("")
+    monkeypatch.setattr(site, "getsitepackages", lambda: 1 / 0)
+    monkeypatch.setattr(sys, "path", [str(tmp_path), f"{tmp_path / folder}/"])
     boot.enable(patch=False)
     st = autopatch.status()
     assert st["hook_enabled"] is True and st["fired"] is False
+    assert st["pth"] == str(tmp_path / folder / boot.PTH_NAME)
     assert set(st) >= {"pth", "sites", "error", "activated_by", "cudnn_route"}
     assert autopatch.enable is boot.enable and autopatch.disable is boot.disable
 

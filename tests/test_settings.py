@@ -9,6 +9,8 @@ stays off, and ``doctor`` shows it.
 from __future__ import annotations
 
 import logging
+import os
+import runpy
 import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
@@ -18,7 +20,7 @@ import pytest
 import _te_gqa_fix_autopatch as boot
 from fakes.oracle import make_ragged
 from fakes.te_outputs import FakeTE, call_arguments
-from te_gqa_fix import affected, cudnn, settings, stack, zero_dead_rows
+from te_gqa_fix import affected, autopatch, cudnn, settings, stack, zero_dead_rows
 from te_gqa_fix import wrapper as wrapper_module
 from te_gqa_fix.cli import doctor, report
 from te_gqa_fix.settings import SETTINGS, SettingError
@@ -28,39 +30,39 @@ RAGGED = make_ragged([(2, 3), (0, 2), (3, 1)], gaps_kv=[1, 0, 1], lead_kv=1, tai
 LONG = "x" * 100_000  # a pasted file: echoed in full at every interpreter start, before
 
 
+OFF, ON = ("0", "off", "False", " no ", "disable", "Disabled"), ("1", "on", "TRUE", "yes")
+#: variable -> parsed value -> every spelling of it (None: unset).
+ACCEPTED: Dict[str, Dict[str, tuple]] = {
+    "TE_GQA_FIX": {"auto": (None, "", "auto", "On", "1", "gqa"), "always": (" ALWAYS ", "all"),
+                   "off": OFF},
+    "TE_GQA_FIX_GUARD": {"fallback": (None, "", "fallback"), "warn": ("Warn",),
+                         "strict": ("strict",), "off": OFF},
+    "TE_GQA_FIX_VALIDATE": {"off": (None, "", *OFF), "on": ON},
+    "TE_GQA_FIX_AUTOPATCH": {"off": (None, "", *OFF), "on": ON, "strict": ("STRICT",)},
+    "TE_GQA_FIX_CUDNN": {"off": (None, "", *OFF), "auto": ("auto", *ON), "strict": ("strict",),
+                         "/opt/cudnn": (" /opt/cudnn ",),
+                         **{f: (f,) for f in (".", "..", "strict:.", "STRICT:/opt/cudnn")}},
+}  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "name, raw, expected",
-    [
-        ("TE_GQA_FIX", None, "auto"),
-        ("TE_GQA_FIX", "", "auto"),
-        ("TE_GQA_FIX", "gqa", "auto"),
-        ("TE_GQA_FIX", " ALWAYS ", "always"),
-        ("TE_GQA_FIX", "all", "always"),
-        ("TE_GQA_FIX", "Disabled", "off"),
-        ("TE_GQA_FIX", "no", "off"),
-        ("TE_GQA_FIX_GUARD", None, "fallback"),
-        ("TE_GQA_FIX_GUARD", "", "fallback"),  # an empty value reads as the default
-        ("TE_GQA_FIX_GUARD", "Warn", "warn"),
-        ("TE_GQA_FIX_GUARD", "0", "off"),
-        ("TE_GQA_FIX_VALIDATE", "", "off"),
-        ("TE_GQA_FIX_VALIDATE", "true", "on"),
-        ("TE_GQA_FIX_AUTOPATCH", "1", "on"),
-        ("TE_GQA_FIX_AUTOPATCH", "STRICT", "strict"),
-        ("TE_GQA_FIX_CUDNN", "yes", "auto"),
-        ("TE_GQA_FIX_CUDNN", "strict", "strict"),
-        ("TE_GQA_FIX_CUDNN", ".", "."),
-        ("TE_GQA_FIX_CUDNN", "..", ".."),
-        ("TE_GQA_FIX_CUDNN", " /opt/cudnn ", "/opt/cudnn"),
-        ("TE_GQA_FIX_CUDNN", "strict:.", "strict:."),
-        ("TE_GQA_FIX_CUDNN", "STRICT:/opt/cudnn", "STRICT:/opt/cudnn"),
-    ],
+    [(n, raw, v) for n in SETTINGS for v, raws in ACCEPTED[n].items() for raw in raws],
 )
 def test_accepted_values(
     monkeypatch: pytest.MonkeyPatch, name: str, raw: Optional[str], expected: str
 ) -> None:
     if raw is not None:
         monkeypatch.setenv(name, raw)
+    assert settings.describe()[name]["value"] == expected and settings.describe()[name]["help"]
+    # get reads os.environ's own store: an unset variable costs no KeyError (Mapping.get's)
+    monkeypatch.setattr(type(os.environ), "__getitem__", lambda self, key: pytest.fail(key))
     assert settings.get(name) == expected
+
+
+@pytest.mark.parametrize("module", [settings, cudnn, autopatch])
+def test_every_exported_name_exists(module) -> None:
+    assert module.__all__ and all(hasattr(module, n) for n in module.__all__)
 
 
 def _wrapper_call(monkeypatch: pytest.MonkeyPatch, head_dim: int) -> Callable[[], List]:
@@ -92,8 +94,7 @@ def _start_up_line(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFix
     ours = (boot._MARKER, boot._CUDNN_MARKER)
     kept = [f for f in sys.meta_path if not any(getattr(f, m, False) for m in ours)]
     monkeypatch.setattr(sys, "meta_path", kept)
-    fresh = dict(fired=False, sites=None, error=None, activated_by=None, cudnn_route=False)
-    monkeypatch.setattr(boot, "_state", fresh)
+    monkeypatch.setattr(boot, "_state", runpy.run_path(boot.__file__)["_state"])
     pth = Path(boot.__file__).with_name(boot.PTH_NAME).read_text()
     (line,) = [ln for ln in pth.splitlines() if ln.startswith("import")]
     with caplog.at_level(logging.ERROR, logger="te_gqa_fix"):
@@ -132,15 +133,17 @@ def test_a_mistyped_setting_is_a_named_error_wherever_it_is_read(
     message = str(err.value)
     shown = repr(value) if len(value) <= 80 else f"{value[:80]!r}...({len(value)} chars)"
     assert message.startswith(f"{name}={shown} is not an accepted value; expected one of ")
-    accepted = {s for s in SETTINGS[name][0] if s}
-    assert all(repr(s) in message for s in accepted) and len(message) < 400
-    assert ("a folder, 'strict:FOLDER'" in message) is (name == "TE_GQA_FIX_CUDNN")
+    listed = message.split("; expected one of ", 1)[1].split(", ")
+    folder = ["a folder", "'strict:FOLDER'"] if name == "TE_GQA_FIX_CUDNN" else []
+    assert sorted(listed) == sorted([repr(s) for s in SETTINGS[name][0] if s] + folder)
+    assert len(message) < 400
     # doctor shows it, as a setting and a warning
     monkeypatch.setattr(stack, "te_info", lambda: {"imported": False, "error": "not here"})
     monkeypatch.setattr(stack, "gpu_info", lambda: {"available": False})
     monkeypatch.setattr(cudnn, "find_builds", lambda: [])
     rep = doctor.collect(live=False)
     assert rep["settings"][name]["error"] == message and message in rep["warnings"]
+    assert rep["settings"][name]["help"] == SETTINGS[name][2] != ""
     assert f"  {name:<20} ERROR: {message}" in report.format_report(rep)
     # where the variable is read
     if name in ("TE_GQA_FIX", "TE_GQA_FIX_GUARD"):  # the guard: at a head dim beyond repair

@@ -15,7 +15,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 SUB_LIBRARIES = (
     "libcudnn_graph",
@@ -32,7 +32,14 @@ def compiler() -> Optional[str]:
     return shutil.which("cc") or shutil.which("gcc")
 
 
+_compiled: Dict[Tuple[str, str], Path] = {}  # (soname, body) -> a file compiled from them
+
+
 def _compile(out: Path, soname: str, body: str) -> None:
+    done = _compiled.get((soname, body))
+    if done is not None and done.is_file():  # the same library again: a copy, not a compile
+        shutil.copyfile(done, out)
+        return
     src = out.with_suffix(".c")
     src.write_text(body)
     cc = compiler()
@@ -43,6 +50,7 @@ def _compile(out: Path, soname: str, body: str) -> None:
         capture_output=True,
     )
     src.unlink()
+    _compiled[(soname, body)] = out
 
 
 def encode(version: Tuple[int, int, int]) -> int:
