@@ -171,6 +171,7 @@ def _launcher(compiled: Any, plan: Plan, device: torch.device) -> Callable[..., 
     """
     run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
     grid_x, grid_y, grid_z = plan.grid
+    # The kernel's arguments: seven tensors, the error word, the scalars, then constants.
     names = kernel.build().arg_names[8 + len(plan.scalars) :]
     tail = (plan.err_ptr, *plan.scalars, *(plan.meta[n] for n in names))
     stream = torch._C._cuda_getCurrentRawStream

@@ -3,12 +3,12 @@
 One call, top to bottom (``fused_attn_bwd`` below):
 
 1. the settings, parsed (a typo in any of them raises here, at the first call);
-2. a fixed cuDNN at head dims it gets right: TE's call, untouched;
-3. the call's metadata -> its :class:`Decision`, made once per call shape and cached: post-pass
-   or not, the guard's verdict, the fallback's plans, the post-pass kernel's launch plan;
-4. the guard, where TE's result is wrong beyond any post-pass: the exact fallback
+2. the call's metadata -> its :class:`Decision`, made once per call shape and cached: TE's
+   call untouched where a measured cuDNN is right (:mod:`.affected`), else post-pass or not,
+   the guard's verdict, the fallback's plans, the post-pass kernel's launch plan;
+3. the guard, where TE's result is wrong beyond any post-pass: the exact fallback
    (:mod:`.fallback`) instead of TE, or an error; never TE's wrong result unless asked;
-5. the post-pass (:mod:`.postpass`) on the gradients.
+4. the post-pass (:mod:`.postpass`) on the gradients.
 
 Arguments are read by name through the wrapped function's signature: TE's signature drifted
 between releases and its call sites mix positional and keyword arguments. No host sync.
@@ -219,7 +219,7 @@ def _decide(policy: str, dev: Optional[int], picked: tuple) -> Optional[Decision
     q, k, v, cu_q, cu_kv, pad_q, pad_kv, mask, window, brd, lay, dlay = picked
     d_qk, d_v = _head_dims(q, v)
     if policy == "auto" and dev is not None and affected.passes_through(dev, d_qk, d_v):
-        return _NOTHING_TO_DO  # a fixed cuDNN: nothing to repair, nothing to guard
+        return _NOTHING_TO_DO  # measured right here: nothing to repair, nothing to guard
     layout_name, layout = ("qkv_layout", lay) if dlay is None else ("dqkv_layout", dlay)
     formats = LAYOUTS.get(layout) if isinstance(layout, str) else None
     if formats is None:
