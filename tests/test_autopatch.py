@@ -141,9 +141,8 @@ def hook(monkeypatch: pytest.MonkeyPatch):
     """A fresh hook record and ``sys.meta_path``, both put back afterwards."""
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
     boot.disable()  # in case this interpreter started with TE_GQA_FIX_AUTOPATCH set
-    fresh = runpy.run_path(boot.__file__)["_state"]  # the record a new process starts with
-    assert not any(fresh.values()), fresh  # nothing done yet
-    monkeypatch.setattr(boot, "_state", fresh)
+    monkeypatch.setattr(boot, "_state", runpy.run_path(boot.__file__)["_state"])
+    assert not any(boot.state().values()), boot.state()  # a new process's: nothing done yet
     return boot
 
 
@@ -426,10 +425,9 @@ def test_hook_ignores_other_imports_and_can_be_disabled(
 def test_public_module_reports_status(
     hook, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, folder: str
 ) -> None:
-    """The start-up file is found in sys.path's site folders too (site can lack its API)."""
     (tmp_path / folder).mkdir()
     (tmp_path / folder / boot.PTH_NAME).write_text("")
-    monkeypatch.setattr(site, "getsitepackages", lambda: 1 / 0)
+    monkeypatch.setattr(site, "getsitepackages", lambda: 1 / 0)  # found in sys.path's too
     monkeypatch.setattr(sys, "path", [str(tmp_path), f"{tmp_path / folder}/"])
     boot.enable(patch=False)
     st = autopatch.status()

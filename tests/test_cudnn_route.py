@@ -10,7 +10,6 @@ the way TE's loader does.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
 import io
@@ -100,8 +99,10 @@ def test_discovery_reads_each_layout_and_version_source(builds: Dict[str, Path])
 
 
 @pytest.mark.parametrize(
-    "var, sub", [("CUDA_PATH", "lib/x86_64-linux-gnu"), ("LD_LIBRARY_PATH", "any")]
-)
+    "var, sub",
+    [("CUDNN_PATH", "lib64"), ("CUDA_HOME", ""), ("CUDA_PATH", "lib/x86_64-linux-gnu"),
+     ("LD_LIBRARY_PATH", "any")],
+)  # fmt: skip
 def test_system_builds_below_te_variables_and_ld_library_path(
     tmp_path: Path, var: str, sub: str
 ) -> None:
@@ -187,6 +188,8 @@ REFUSED = {  # case -> (stub build, error, what the message says)
     "a file that fails to load": (dict(header_version=(9, 19, 0)), OSError,
                                   r"could not load .*libcudnn_graph\.so\.9 .*0 of 8 files .*"
                                   "would mix builds"),
+    "no cuDNN in the folder": (dict(edit=shutil.rmtree), FileNotFoundError,
+                               r"expected a folder holding libcudnn\.so\.9"),
     "no libcudnn.so.9, lenient": (dict(edit=lambda lib: (lib / "libcudnn.so.9").rename(
         lib / "libcudnn.so.8")), FileNotFoundError, r"no libcudnn\.so\.9 in .*given"),
 }  # fmt: skip
@@ -203,7 +206,8 @@ def test_a_build_known_wrong_is_refused_before_it_is_loaded(
     """Stubs (ELF magic, then the exported names): loading one would fail with an error of
     its own, so each message shows the refusal came first. Not strict: the same reason is
     logged at WARNING, and nothing is loaded either (a build of unknown version is loaded,
-    then asked: test_a_version_learned_by_loading_is_checked)."""
+    then asked: test_a_version_learned_by_loading_is_checked). Strict, TE's import then
+    fails with the reason; otherwise there is nothing to compare TE's cuDNN with."""
     stub, error, message = REFUSED[case]
     stub = dict(stub)
     edit = stub.pop("edit", None)
@@ -218,6 +222,11 @@ def test_a_build_known_wrong_is_refused_before_it_is_loaded(
             assert cudnn.use_fixed_cudnn(str(tmp_path / "given"), strict=False) is None
         assert [r for r in caplog.records if re.search(message, r.getMessage())]
     assert cudnn.route_state()["loaded"] == () and re.search(message, cudnn.route_state()["error"])
+    if strict:
+        with pytest.raises(ImportError, match=r"\(strict\) failed: .*" + message):
+            cudnn.verify_te_cudnn()
+    else:
+        assert cudnn.verify_te_cudnn() is None and cudnn.route_state()["verified"] is None
 
 
 @pytest.mark.parametrize("sub", ["", "lib", "lib64", "lib/x86_64-linux-gnu"])
@@ -243,12 +252,11 @@ def test_header_version(tmp_path: Path, text: str, expected: Optional[Tuple[int,
     assert cudnn._header_version(str(tmp_path / "lib")) == expected
 
 
-def test_only_the_default_search_adds_the_site_folders(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    lib = fb.stub_build(tmp_path / "site" / "nvidia" / "cudnn" / "lib", header_version=(9, 19, 0))
+def test_only_a_default_search_adds_site_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    lib = fb.stub_build(tmp_path / "site" / "nvidia" / "cudnn" / "lib", suffix="9.19.0")
     monkeypatch.setattr(site, "getsitepackages", lambda: [str(tmp_path / "site")])
-    assert str(lib) in [b.lib_dir for b in cudnn.find_wheel_builds()]
+    found = [(b.lib_dir, b.version, b.how, b.origin) for b in cudnn.find_wheel_builds()]
+    assert (str(lib), (9, 19, 0), "file name", "wheel") in found  # no header, no metadata
     assert cudnn.find_wheel_builds([str(tmp_path)]) == []
 
 
@@ -256,8 +264,6 @@ def test_mapped_versions_from_the_file_name_real_path_or_cudnn_get_version(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Only libcudnn is asked its version (as if loaded); the wheel: test_cli.py."""
-    (tmp_path / "libcudnn_adv.so.9.14").write_bytes(b"")
-    (tmp_path / "libcudnn_cnn.so.9.19").write_bytes(b"")
     (tmp_path / "libcudnn_cnn.so.9").symlink_to("libcudnn_cnn.so.9.19")
     names = ["libcudnn_adv.so.9.14", "libcudnn_cnn.so.9", "libcudnn.so.9", "libcudnn_ops.so.9"]
     maps = "".join(f"7f-7f r-xp 0 08:01 1 {tmp_path / n}\n" for n in names)
@@ -274,9 +280,7 @@ def test_mapped_versions_from_the_file_name_real_path_or_cudnn_get_version(
 @pytest.mark.parametrize(
     "offset, found", [((1 << 20) - 5, True), ((63 << 20) + 9, True), ((64 << 20) + 9, False)]
 )
-def test_exported_names_are_read_from_the_first_64_mib(
-    tmp_path: Path, offset: int, found: bool
-) -> None:
+def test_exported_names_within_the_first_64_mib(tmp_path: Path, offset: int, found: bool) -> None:
     """Across a 1 MiB chunk, and not past 64 MiB (sparse files)."""
     with open(tmp_path / "lib.so", "wb") as f:
         f.write(b"\x7fELF")
@@ -307,10 +311,9 @@ def test_a_new_process_has_no_route(monkeypatch: pytest.MonkeyPatch) -> None:
     spec.loader.exec_module(fresh)  # type: ignore[union-attr]
     cudnn._route.update(setting="auto", strict=True, loaded=("x",), seen=("y",))
     cudnn._reset_route()
-    assert cudnn.route_state() == fresh.route_state() == {
-        **dict.fromkeys(("setting", "chosen", "error", "te_cudnn", "verified"), None),
-        "strict": False, "loaded": (), "seen": (), "chosen_version": None,
-    }  # fmt: skip
+    none = dict.fromkeys(("setting", "chosen", "chosen_version", "error", "te_cudnn", "verified"))
+    expected = {**none, "strict": False, "loaded": (), "seen": ()}
+    assert cudnn.route_state() == fresh.route_state() == expected
 
 
 @pytest.mark.parametrize(
@@ -365,28 +368,6 @@ def test_verify_compares_major_minor_and_patch(
             assert cudnn.verify_te_cudnn() is outcome
         assert bool(re.search(said + "; the post-pass still guards", caplog.text)) is not outcome
     assert cudnn.route_state()["verified"] is (outcome is True)
-
-
-@pytest.mark.parametrize("strict", [True, False])
-@pytest.mark.parametrize("chosen", [False, True])
-def test_a_failed_route_is_an_import_error_at_te_import_when_strict(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, strict: bool, chosen: bool
-) -> None:
-    """Nothing loaded (no folder, or a build chosen then refused): strict fails TE's import
-    with the reason, otherwise there is nothing to compare TE's cuDNN with."""
-    monkeypatch.setattr(cudnn, "te_cudnn_version", lambda: (9, 19, 0))
-    if chosen:
-        fb.stub_build(tmp_path / "lib", header_version=(9, 14, 0))
-    with pytest.raises(LookupError if chosen else FileNotFoundError) if strict else (
-        contextlib.nullcontext()
-    ):  # fmt: skip
-        cudnn.use_fixed_cudnn(str(tmp_path), strict=strict)
-    assert (cudnn.route_state()["chosen"] is not None) is chosen
-    if strict:
-        with pytest.raises(ImportError, match=r"\(strict\) failed: .*(libcudnn\.so\.9|9\.14)"):
-            cudnn.verify_te_cudnn()
-    else:
-        assert cudnn.verify_te_cudnn() is None and cudnn.route_state()["verified"] is None
 
 
 def test_te_cudnn_version_never_imports_te(fake_te: Path) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 import pytest
+import torch
 
 import _te_gqa_fix_autopatch as boot
 from fakes.oracle import make_ragged
@@ -55,9 +56,10 @@ def test_accepted_values(
     if raw is not None:
         monkeypatch.setenv(name, raw)
     assert settings.describe()[name]["value"] == expected and settings.describe()[name]["help"]
-    # get reads os.environ's own store: an unset variable costs no KeyError (Mapping.get's)
-    monkeypatch.setattr(type(os.environ), "__getitem__", lambda self, key: pytest.fail(key))
-    assert settings.get(name) == expected
+    with monkeypatch.context() as m:  # os.environ's own store: no KeyError (Mapping.get's)
+        m.setattr(type(os.environ), "__getitem__", lambda self, key: pytest.fail(key))
+        value = settings.get(name)
+    assert value == expected
 
 
 @pytest.mark.parametrize("module", [settings, cudnn, autopatch])
@@ -81,8 +83,6 @@ def _wrapper_call(monkeypatch: pytest.MonkeyPatch, head_dim: int) -> Callable[[]
 
 
 def _post_pass(monkeypatch: pytest.MonkeyPatch) -> None:
-    import torch
-
     i32 = dict(dtype=torch.int32)
     cu_q, cu_kv = torch.tensor([0, 0, 2], **i32), torch.tensor([0, 2, 4], **i32)
     with pytest.raises(SettingError):
@@ -91,9 +91,8 @@ def _post_pass(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _start_up_line(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> str:
     """Run the shipped ``.pth`` line here; it must log one ERROR and put no hook in place."""
-    ours = (boot._MARKER, boot._CUDNN_MARKER)
-    kept = [f for f in sys.meta_path if not any(getattr(f, m, False) for m in ours)]
-    monkeypatch.setattr(sys, "meta_path", kept)
+    ours = (boot.TEImportHook, boot.CudnnPreloadHook)
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if not isinstance(f, ours)])
     monkeypatch.setattr(boot, "_state", runpy.run_path(boot.__file__)["_state"])
     pth = Path(boot.__file__).with_name(boot.PTH_NAME).read_text()
     (line,) = [ln for ln in pth.splitlines() if ln.startswith("import")]
