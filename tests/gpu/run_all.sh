@@ -5,7 +5,8 @@
 #   cp          tests/multigpu/cp_check.py under torchrun, each build
 #   examples    examples/seed_repro.py, drop_in.py (and context_parallel.py on 2 GPUs)
 #   megatron    tests/multigpu/megatron/run.sh
-# Knobs: PARTS (default "validation cp examples"), BUILDS (default "system pip route"),
+# Knobs: PARTS (default "validation cp examples"), BUILDS (default "system pip route"; add
+# cudnn927 once tests/gpu/cudnn_kit.sh has staged cuDNN 9.27),
 # CP_ARGS. Raw outputs stay in /tmp between commands on one warm machine, so a run may be
 # split over several commands: the last one's data file holds every part.
 # Brings back $OUT/validation.jsonl (commit as docs/data/validation.jsonl) and
