@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass
 from typing import Dict, FrozenSet, Optional, Sequence, Tuple
 
-from .cudnn import CUDNN_FIXED, ENV_CUDNN, FIXED, choose_fixed, find_wheel_builds
+from .cudnn import CUDNN_FIXED, ENV_CUDNN, FIXED, choose_fixed, find_wheel_builds, pip_hint
 from .stack import runtime_facts
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "clean_from",
     "cudnn_fixed",
     "cudnn_is_fixed",
+    "measured_clean",
     "measurement_for",
     "passes_through",
     "remedy",
@@ -73,16 +74,16 @@ MEASURED: Tuple[Measurement, ...] = (
 )
 
 
-#: The newest measured build, right at every shape measured: what a remedy installs.
-NEWEST_CLEAN = ".".join(str(x) for x in MEASURED[-1].cudnn[:2])
-
-
 def _shapes(dims: FrozenSet[Shape]) -> str:
     return ", ".join(f"{a}" if a == b else f"{a}/{b}" for a, b in sorted(dims)) or "none"
 
 
 def _vstr(v: Sequence[int]) -> str:
     return ".".join(str(x) for x in v)
+
+
+#: The newest measured build, right at every shape measured: what a remedy installs.
+NEWEST_CLEAN = _vstr(MEASURED[-1].cudnn[:2])
 
 
 def cudnn_is_fixed(cudnn_version: Optional[Sequence[int]]) -> bool:
@@ -168,8 +169,8 @@ def verdict(
                 f"right there ({ENV_CUDNN}=auto loads an installed one)",
             ),
         )
-    stale = m.stale_rows or not cudnn_is_fixed(cud) or not (own or newest)
-    if not stale:
+    stale_workspace = m.stale_rows or not cudnn_is_fixed(cud)
+    if not (stale_workspace or not (own or newest)):
         scope = "head dims up to 128" if shape is None else f"head dims {shape[0]}/{shape[1]}"
         return Verdict(
             "not_affected",
@@ -181,7 +182,7 @@ def verdict(
     why = (
         f"{judged} < {FIXED}: TE's fused_attn_bwd (THD layout, GQA/MQA) sums stale workspace "
         "into dK/dV rows of sequences without query tokens"
-        if m.stale_rows or not cudnn_is_fixed(cud)
+        if stale_workspace
         else f"{judged}: rows of sequences without query tokens were not measured clean here"
     )
     reasons = [
@@ -204,25 +205,30 @@ class UnrepairableConfiguration(RuntimeError):
 
 
 _fixed: Dict[Optional[int], bool] = {}
-_clean: Dict[Tuple[Optional[int], int, int], bool] = {}
 #: (device, d_qk, d_v) -> None (repairable) or why not
 _decisions: Dict[Tuple[Optional[int], int, int], Optional[str]] = {}
 _lock = threading.Lock()
 
 
+def measured_clean(
+    capability: Optional[Sequence[int]],
+    cudnn_version: Optional[Sequence[int]],
+    head_dim: Optional[int] = None,
+    head_dim_v: Optional[int] = None,
+) -> bool:
+    """True where a measurement on Hopper of this cuDNN says these head dims are clean (the
+    arguments of :func:`verdict`). Elsewhere (another GPU, an unknown stack) False: the
+    post-pass runs, harmless where nothing is wrong."""
+    return (capability or (0,))[0] == HOPPER_MAJOR and (
+        verdict(capability, cudnn_version, head_dim, head_dim_v).status == "not_affected"
+    )
+
+
 def passes_through(device_index: Optional[int], d_qk: int, d_v: int) -> bool:
-    """True where a measurement on Hopper of the cuDNN TE runs on this device says these head
-    dims are clean: nothing to repair, nothing to guard (cached per key). Elsewhere (another
-    GPU, an unknown stack) the post-pass runs: harmless where nothing is wrong."""
-    key = (device_index, d_qk, d_v)
-    clean = _clean.get(key)
-    if clean is None:
-        facts = runtime_facts(device_index)
-        clean = (facts.capability or (0,))[0] == HOPPER_MAJOR and (
-            verdict(facts.capability, facts.cudnn, d_qk, d_v).status == "not_affected"
-        )
-        _clean[key] = clean
-    return clean
+    """:func:`measured_clean` for the cuDNN TE runs on this device: nothing to repair,
+    nothing to guard. Asked once per call shape (the wrapper caches its decision)."""
+    facts = runtime_facts(device_index)
+    return measured_clean(facts.capability, facts.cudnn, d_qk, d_v)
 
 
 def cudnn_fixed(device_index: Optional[int]) -> bool:
@@ -260,10 +266,9 @@ def remedy(d_qk: int = MAX_REPAIRABLE_HEAD_DIM, d_v: Optional[int] = None) -> st
             f"set {ENV_CUDNN}=auto in the environment (cuDNN {chosen.version_str} is installed "
             f"at {chosen.lib_dir} but Transformer Engine does not use it)"
         )
-    v = NEWEST_CLEAN
     return (
-        f"pip install 'nvidia-cudnn-cu12>={v}' (CUDA 12) or 'nvidia-cudnn-cu13>={v}' (CUDA 13), "
-        f"the newest build measured right, then set {ENV_CUDNN}=auto in the environment"
+        f"{pip_hint(NEWEST_CLEAN)}, the newest build measured right, then set {ENV_CUDNN}=auto "
+        "in the environment"
     )
 
 
@@ -302,5 +307,4 @@ def reset() -> None:
     """Forget every decision (tests; or after the stack changed)."""
     with _lock:
         _fixed.clear()
-        _clean.clear()
         _decisions.clear()

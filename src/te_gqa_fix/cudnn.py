@@ -267,9 +267,9 @@ def choose_fixed(builds: Sequence[CudnnBuild]) -> Optional[CudnnBuild]:
     return max((b for b in builds if b.fixed), key=lambda b: b.version or (), default=None)
 
 
-def pip_hint() -> str:
-    """The ``pip install`` that brings a fixed cuDNN."""
-    return f"pip install 'nvidia-cudnn-cu12>={FIXED}' (CUDA 12) or 'nvidia-cudnn-cu13>={FIXED}' (CUDA 13)"
+def pip_hint(minimum: str = FIXED) -> str:
+    """The ``pip install`` that brings a cuDNN of at least ``minimum`` (default: a fixed one)."""
+    return f"pip install 'nvidia-cudnn-cu12>={minimum}' (CUDA 12) or 'nvidia-cudnn-cu13>={minimum}' (CUDA 13)"
 
 
 @dataclass(frozen=True)

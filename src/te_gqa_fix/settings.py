@@ -119,6 +119,13 @@ def shown(raw: str) -> str:
     return f"{raw[:SHOWN_CHARS]!r}...({len(raw)} chars)"
 
 
+def _raw(name: str, env: Mapping[str, str]) -> object:
+    """``name``'s raw value in ``env`` (os.environ: read from its own store)."""
+    if env is _ENVIRON and name in _STORE_KEYS:
+        return _STORE.get(_STORE_KEYS[name])  # type: ignore[union-attr]
+    return env.get(name)
+
+
 def get(name: str, environ: Optional[Mapping[str, str]] = None) -> str:
     """The parsed value of ``name`` now (cached per raw value: a dict lookup per call).
 
@@ -129,11 +136,7 @@ def get(name: str, environ: Optional[Mapping[str, str]] = None) -> str:
     Returns:
         The canonical value; raises :class:`SettingError` for an unknown one.
     """
-    env = os.environ if environ is None else environ
-    if env is _ENVIRON and name in _STORE_KEYS:
-        raw: object = _STORE.get(_STORE_KEYS[name])  # type: ignore[union-attr]
-    else:
-        raw = env.get(name)
+    raw = _raw(name, os.environ if environ is None else environ)
     value = _parsed.get((name, raw))
     if value is None:
         text = _ENVIRON.decodevalue(raw) if isinstance(raw, bytes) else raw  # type: ignore[attr-defined]
@@ -167,10 +170,7 @@ def per_call() -> Tuple[str, ...]:
     """:data:`PER_CALL`, parsed from ``os.environ`` now: three reads and one dict lookup
     per call (cached per raw values); the first call with a typo in any of them raises
     :class:`SettingError`."""
-    if _STORE_KEYS:
-        raw = tuple([_STORE.get(_STORE_KEYS[n]) for n in PER_CALL])  # type: ignore[union-attr]
-    else:
-        raw = tuple([_ENVIRON.get(n) for n in PER_CALL])
+    raw = tuple([_raw(n, _ENVIRON) for n in PER_CALL])
     values = _per_call.get(raw)
     if values is None:
         values = _per_call[raw] = tuple([get(n) for n in PER_CALL])

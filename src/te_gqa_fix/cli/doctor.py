@@ -298,11 +298,10 @@ def collect(live: bool = True, head_dim: Optional[int] = None) -> Dict[str, Any]
         )
     report["verdict"] = dict(status=v.status, reasons=reasons, head_dim=head_dim, fallback=fallback)
     report["fallback"] = fallback_coverage()
-    hopper = (gpu.get("capability") or (0,))[0] == affected.HOPPER_MAJOR
     report["post_pass"] = (
         "pass-through: the cuDNN TE runs was measured clean here, so the wrapper does nothing "
         "under TE_GQA_FIX=auto (TE_GQA_FIX=always still forces the post-pass)"
-        if hopper and affected.verdict(gpu.get("capability"), te_cudnn).status == "not_affected"
+        if affected.measured_clean(gpu.get("capability"), te_cudnn)
         else "runs on THD backward calls with h_q != h_kv (this stack is not measured clean)"
     )
 
