@@ -25,9 +25,9 @@ import torch
 from common import by_name, cumsum, median, metadata, one_cpu, packed, write
 
 import te_gqa_fix
-from te_gqa_fix.launch import run_kernel
 from te_gqa_fix.masks import key_span
 from te_gqa_fix.postpass import kernel_plan, zero_dead_rows
+from te_gqa_fix.postpass.launch import run_kernel
 from te_gqa_fix.wrapper import call_counts, wrapper_for
 
 MASK = "padding_causal_bottom_right"
@@ -250,8 +250,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     # TE first: it loads its cuDNN before anything in torch initialises another one.
     from transformer_engine.pytorch.cpp_extensions import fused_attn as fa
 
-    from te_gqa_fix.affected import verdict
-    from te_gqa_fix.stack import te_cudnn_version
+    from te_gqa_fix.stack.affected import verdict
+    from te_gqa_fix.stack.versions import te_cudnn_version
 
     te_gqa_fix.uninstall()  # TE's own function, even under the start-up hook
     doc = {"bench": "postpass", **metadata()}

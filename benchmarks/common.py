@@ -99,11 +99,11 @@ def cpu_model() -> str:
 
 
 def metadata() -> Dict[str, Any]:
-    """Date, command and stack (``te_gqa_fix.stack.stack_summary``, Triton, the SM count,
+    """Date, command and stack (``te_gqa_fix.stack.versions.stack_summary``, Triton, the SM count,
     the host CPU)."""
     import torch
 
-    from te_gqa_fix.stack import stack_summary
+    from te_gqa_fix.stack.versions import stack_summary
 
     stack = {k: v for k, v in stack_summary().items() if k != "cudnn_files"}
     try:

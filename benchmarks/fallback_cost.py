@@ -29,7 +29,8 @@ from typing import Any, Callable, Dict, List
 import torch
 from common import event_ms, median, metadata, write
 
-from te_gqa_fix import affected, patch, wrapper
+from te_gqa_fix import patch, wrapper
+from te_gqa_fix.stack import affected
 from te_gqa_fix.testing import make_batch, random_inputs, te_call, te_forward
 
 WORKLOADS = {"8k": 8192, "32k": 32768}

@@ -90,7 +90,7 @@ class TEImportHook:
                 except AttributeError:
                     pass
             if _state["cudnn_route"]:
-                from te_gqa_fix.cudnn import verify_te_cudnn
+                from te_gqa_fix.stack.cudnn import verify_te_cudnn
 
                 verify_te_cudnn()  # logs a mismatch; raises ImportError when strict
             if self.patch:
@@ -179,7 +179,7 @@ def preload_cudnn(setting: str) -> None:
     """Load the cuDNN that ``setting`` (TE_GQA_FIX_CUDNN's value) names, now, and remove the
     preload hook. A strict failure raises ImportError and keeps the hook, so that every
     import of torch or TE fails with the reason; otherwise a failure is logged."""
-    from te_gqa_fix.cudnn import parse_setting, use_fixed_cudnn
+    from te_gqa_fix.stack.cudnn import parse_setting, use_fixed_cudnn
 
     target, strict = parse_setting(setting)  # never off: activate installs no hook then
     try:

@@ -17,7 +17,8 @@ from typing import Iterator
 import pytest
 
 import te_gqa_fix
-from te_gqa_fix import _logging, affected, patch, wrapper
+from te_gqa_fix import _logging, patch, wrapper
+from te_gqa_fix.stack import affected
 
 _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:  # ``fakes`` is imported by name (also from the fake TE package)

@@ -290,7 +290,8 @@ def test_the_hook_does_what_it_was_enabled_for(
     """The route's hook (patch=False) checks the route at TE's import and patches nothing;
     the patch's hook patches and leaves a route it did not start alone (here: a strict
     use_fixed_cudnn() that failed in code, its error caught there)."""
-    from te_gqa_fix import cudnn, patch
+    from te_gqa_fix import patch
+    from te_gqa_fix.stack import cudnn
 
     monkeypatch.setattr(cudnn, "_route", {**cudnn._route, "strict": True, "error": error})
     monkeypatch.setitem(boot._state, "cudnn_route", route)
@@ -355,7 +356,7 @@ def test_the_preload_runs_once_then_removes_its_hook(
     route runs at once and reports why it loads nothing; otherwise the hook runs it at the
     first import of torch. Either way a failure is logged and the hook goes (strict: raised,
     and the hook stays, so that every later import fails too)."""
-    cudnn = importlib.import_module("te_gqa_fix.cudnn")
+    cudnn = importlib.import_module("te_gqa_fix.stack.cudnn")
     cudnn._reset_route()
     monkeypatch.setattr(cudnn, "_route", dict(cudnn._route))
     folder = f"{'strict:' if strict else ''}{tmp_path / 'no-cudnn'}"
@@ -380,7 +381,7 @@ def test_the_preload_runs_once_then_removes_its_hook(
 def test_an_unforeseen_route_error_is_logged_and_the_hook_goes(
     hook, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr("te_gqa_fix.cudnn.use_fixed_cudnn", lambda target, strict: 1 / 0)
+    monkeypatch.setattr("te_gqa_fix.stack.cudnn.use_fixed_cudnn", lambda target, strict: 1 / 0)
     with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
         boot.preload_cudnn("/x")
     assert "TE_GQA_FIX_CUDNN=/x failed (ZeroDivisionError: division by zero)" in caplog.text

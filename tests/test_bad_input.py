@@ -22,9 +22,9 @@ from torch.utils._pytree import tree_map
 import te_gqa_fix
 from fakes.oracle import assert_rows, bits, expected_keep, make_ragged
 from fakes.te_outputs import FakeFloat8, FakeTE, call_arguments
-from te_gqa_fix import launch, offset_errors, postpass, validation, zero_dead_rows
-from te_gqa_fix.offset_errors import OffsetsError
-from te_gqa_fix.postpass import dead_row_masks
+from te_gqa_fix import postpass, validation, zero_dead_rows
+from te_gqa_fix.postpass import dead_row_masks, launch, offset_errors
+from te_gqa_fix.postpass.offset_errors import OffsetsError
 from te_gqa_fix.wrapper import _new_wrapper as make_wrapper
 
 I32 = torch.int32

@@ -22,12 +22,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fakes import te_package
-from te_gqa_fix import cudnn, stack, validation
+from te_gqa_fix import validation
 from te_gqa_fix.cli import doctor, main, report
 from te_gqa_fix.cli import plan as plan_module
 from te_gqa_fix.cli.plan import MAX_ROWS, PlanInput, build_plan
 from te_gqa_fix.postpass import dead_row_masks
 from te_gqa_fix.settings import SETTINGS
+from te_gqa_fix.stack import cudnn
+from te_gqa_fix.stack import versions as stack
 
 Runs = Sequence[Tuple[int, int, str, Optional[int]]]  # (first row, last row, code, sequence)
 

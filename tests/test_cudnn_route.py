@@ -27,8 +27,8 @@ from typing import Dict, List, Optional, Tuple
 import pytest
 
 from fakes import cudnn_builds as fb
-from te_gqa_fix import affected, cudnn
-from te_gqa_fix.stack import RuntimeFacts
+from te_gqa_fix.stack import affected, cudnn
+from te_gqa_fix.stack.versions import RuntimeFacts
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
@@ -305,7 +305,7 @@ def test_a_loaded_build_that_answers_wrong_is_refused(
 
 def test_a_new_process_has_no_route(monkeypatch: pytest.MonkeyPatch) -> None:
     """The route's record as a process starts with it, and as _reset_route leaves it."""
-    spec = importlib.util.spec_from_file_location("te_gqa_fix._cudnn_copy", cudnn.__file__)
+    spec = importlib.util.spec_from_file_location("te_gqa_fix.stack._cudnn_copy", cudnn.__file__)
     fresh = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, fresh)  # type: ignore[union-attr]
     spec.loader.exec_module(fresh)  # type: ignore[union-attr]
@@ -418,7 +418,7 @@ def test_the_first_global_copy_wins(builds: Dict[str, Path], tmp_path: Path, pre
     code = (
         "import ctypes, os\n"
         + (
-            f"from te_gqa_fix.cudnn import use_fixed_cudnn\n"
+            f"from te_gqa_fix.stack.cudnn import use_fixed_cudnn\n"
             f"b = use_fixed_cudnn('auto', search_path=[{str(builds['fixed'])!r}])\n"
             if preload
             else ""
@@ -438,7 +438,7 @@ def test_refuses_once_a_cudnn_is_loaded(builds: Dict[str, Path], tmp_path: Path)
     fixed = builds["fixed"] / "nvidia" / "cudnn" / "lib"
     files = [str(fixed / f"{n}.so.9") for n in ("libcudnn", *fb.SUB_LIBRARIES[:3])]
     code = (
-        "import ctypes\nfrom te_gqa_fix import cudnn\n"
+        "import ctypes\nfrom te_gqa_fix.stack import cudnn\n"
         f"print('ASKED', cudnn._ctypes_version({files[0]!r}))\n"
         f"for path in {files!r}:\n"
         "    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)\n"
@@ -478,7 +478,7 @@ def test_a_version_learned_by_loading_is_checked(
 ) -> None:
     lib = fb.write_libs(tmp_path / "given" / "lib", version, suffix=suffix, subs=False)
     code = (
-        "import logging, sys\nfrom te_gqa_fix import cudnn\n"
+        "import logging, sys\nfrom te_gqa_fix.stack import cudnn\n"
         "logging.basicConfig(stream=sys.stdout, format='WARN %(message)s')\n"
         "try:\n"
         f"    b = cudnn.use_fixed_cudnn({str(lib.parent)!r}, strict={strict})\n"
@@ -513,7 +513,7 @@ PROBE = (
     "logging.basicConfig(level=logging.INFO, format='LOG %(levelname)s %(message)s', stream=sys.stdout)\n"
     "site.addsitedir(os.environ['SITE_DIR'])\n"
     "early = {m: m in sys.modules for m in ('_te_gqa_fix_autopatch', 'te_gqa_fix.settings', "
-    "'te_gqa_fix.cudnn', 'torch')}\n"
+    "'te_gqa_fix.stack.cudnn', 'torch')}\n"
     "def mapped():\n"
     "    return sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libcudnn.so' in l})\n"
     "early_maps = mapped()\n"
@@ -524,7 +524,7 @@ PROBE = (
     "    te = list(get_cudnn_version())\n"
     "except ImportError as exc:\n"
     "    te, err = None, str(exc)\n"
-    "route = sys.modules['te_gqa_fix.cudnn'].route_state() if 'te_gqa_fix.cudnn' in sys.modules "
+    "route = sys.modules['te_gqa_fix.stack.cudnn'].route_state() if 'te_gqa_fix.stack.cudnn' in sys.modules "
     "else None\n"
     "print('PROBE' + json.dumps(dict(early=early, early_maps=early_maps, te=te, err=err, "
     "maps=mapped(), route=route)))\n"
@@ -552,7 +552,7 @@ def test_auto_loads_the_fixed_build_before_te_and_te_runs_it(
     assert out["early"] == {
         "_te_gqa_fix_autopatch": True,
         "te_gqa_fix.settings": True,
-        "te_gqa_fix.cudnn": False,
+        "te_gqa_fix.stack.cudnn": False,
         "torch": False,
     }
     assert out["early_maps"] == []

@@ -17,8 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fakes.oracle import KNOWN, Ragged, bits, expected_keep
-from te_gqa_fix import offset_errors, zero_dead_rows
+from te_gqa_fix import zero_dead_rows
 from te_gqa_fix.cli.plan import PlanInput, build_plan
+from te_gqa_fix.postpass import offset_errors
 
 NAMES = (
     "dq",

@@ -1,7 +1,7 @@
 """The wrapper's decisions that depend on the stack: a fixed cuDNN, and the guard.
 
 The tensors stay on CPU; the wrapper is told they are on CUDA device 0 (``_device_index``)
-and the stack facts are the ones :mod:`te_gqa_fix.affected` reads (``runtime_facts``), so
+and the stack facts are the ones :mod:`te_gqa_fix.stack.affected` reads (``runtime_facts``), so
 its real rule decides: Hopper with cuDNN < 9.18 is affected; head dim 256 (or q/k 128 with
 v 192) is beyond any post-pass there; 9.18 and newer is fixed. The exact fallback is
 replaced by a fake (``te_gqa_fix.fallback.decide``/``run``) that records what it was asked.
@@ -17,10 +17,11 @@ import torch
 
 from fakes.oracle import make_ragged
 from fakes.te_outputs import FakeBackend, FakeTE, assert_post_pass, assert_untouched, call_arguments
-from te_gqa_fix import affected, fallback
+from te_gqa_fix import fallback
 from te_gqa_fix import wrapper as wrapper_module
-from te_gqa_fix.affected import UnrepairableConfiguration
-from te_gqa_fix.stack import RuntimeFacts
+from te_gqa_fix.stack import affected
+from te_gqa_fix.stack.affected import UnrepairableConfiguration
+from te_gqa_fix.stack.versions import RuntimeFacts
 from te_gqa_fix.wrapper import call_counts, wrapper_for
 
 RAGGED = make_ragged([(3, 5), (0, 4), (4, 0), (2, 2)], gaps_kv=[2, 1, 0, 1], lead_kv=1, tail_kv=2)

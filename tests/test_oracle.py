@@ -34,8 +34,8 @@ from fakes.oracle import (
 from fakes.te_outputs import FakeTE, call_arguments
 from te_gqa_fix import zero_dead_rows
 from te_gqa_fix.masks import KNOWN_MASK_TYPES, key_interval, key_span
-from te_gqa_fix.offset_errors import OffsetsError
 from te_gqa_fix.postpass import dead_row_masks
+from te_gqa_fix.postpass.offset_errors import OffsetsError
 from te_gqa_fix.wrapper import wrapper_for
 
 UNKNOWN_MASKS = ("arbitrary", "padding_bottom_right_typo", None)

@@ -289,7 +289,7 @@ def test_root_exports_only_the_user_api() -> None:
         ("KNOWN_MASK_TYPES", "masks"),
         ("get", "settings"),
         ("SettingError", "settings"),
-        ("why_unrepairable", "affected"),
+        ("why_unrepairable", "stack.affected"),
         ("wrapper_for", "wrapper"),
         ("find_original", "patch"),
     ):
@@ -343,7 +343,7 @@ def test_package_has_no_import_cycle() -> None:
     imports inside functions and the ``cli`` subpackage)."""
     edges = _package_imports()
     assert {"wrapper", "cli.doctor", "cli"} <= set(edges)
-    assert {"settings", "affected"} <= edges["wrapper"] and "wrapper" in edges["patch"]
+    assert {"settings", "stack.affected"} <= edges["wrapper"] and "wrapper" in edges["patch"]
 
     def reaches(start: str, goal: str, seen: set) -> bool:
         for nxt in edges.get(start, ()):

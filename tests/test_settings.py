@@ -21,11 +21,13 @@ import torch
 import _te_gqa_fix_autopatch as boot
 from fakes.oracle import make_ragged
 from fakes.te_outputs import FakeTE, call_arguments
-from te_gqa_fix import affected, autopatch, cudnn, settings, stack, zero_dead_rows
+from te_gqa_fix import autopatch, settings, zero_dead_rows
 from te_gqa_fix import wrapper as wrapper_module
 from te_gqa_fix.cli import doctor, report
 from te_gqa_fix.settings import SETTINGS, SettingError
-from te_gqa_fix.stack import RuntimeFacts
+from te_gqa_fix.stack import affected, cudnn
+from te_gqa_fix.stack import versions as stack
+from te_gqa_fix.stack.versions import RuntimeFacts
 
 RAGGED = make_ragged([(2, 3), (0, 2), (3, 1)], gaps_kv=[1, 0, 1], lead_kv=1, tail_kv=1)
 LONG = "x" * 100_000  # a pasted file: echoed in full at every interpreter start, before

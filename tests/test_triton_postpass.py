@@ -34,10 +34,10 @@ from fakes import background
 from fakes.cuda_checks import capture, no_host_sync
 from fakes.interpreter import results, start_checks, worker_main
 from fakes.oracle import KNOWN, Ragged, assert_rows, bits, expected_keep, make_ragged
-from te_gqa_fix import launch, offset_errors, postpass
+from te_gqa_fix import postpass
 from te_gqa_fix.masks import KNOWN_MASK_TYPES, KeySpan, key_span
-from te_gqa_fix.offset_errors import OffsetsError
-from te_gqa_fix.postpass import _offset_error_bits, zero_dead_rows
+from te_gqa_fix.postpass import _offset_error_bits, launch, offset_errors, zero_dead_rows
+from te_gqa_fix.postpass.offset_errors import OffsetsError
 
 LAYOUTS = ("separate", "t2hd", "th2d", "t3hd", "th3d", "transposed")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -556,9 +556,9 @@ def _check_cpu_imports_no_triton_or_te() -> None:
     """First in the worker, a fresh process: the package and the post-pass on CPU tensors
     (impl auto and triton) import no Triton, and the package no Transformer Engine (what it
     does without TE: tests/test_policy_and_errors.py). Nothing has imported either yet."""
-    import te_gqa_fix.affected
-    import te_gqa_fix.kernel
     import te_gqa_fix.patch
+    import te_gqa_fix.postpass.kernel
+    import te_gqa_fix.stack.affected
     import te_gqa_fix.wrapper
 
     assert callable(te_gqa_fix.fused_attn_bwd) and callable(te_gqa_fix.install)
@@ -566,7 +566,9 @@ def _check_cpu_imports_no_triton_or_te() -> None:
     offs = torch.tensor([0, 2, 5], dtype=torch.int32)
     for impl in ("auto", "triton"):
         zero_dead_rows(None, torch.ones(5, 1, 2), torch.ones(5, 1, 2), offs, offs, impl=impl)
-    assert te_gqa_fix.kernel.tl is None and "triton" not in sys.modules, "Triton imported on CPU"
+    assert te_gqa_fix.postpass.kernel.tl is None and "triton" not in sys.modules, (
+        "Triton imported on CPU"
+    )
     te = sorted(m for m in sys.modules if m.split(".")[0] == "transformer_engine")
     assert te == [], f"te_gqa_fix imported {te}"
 

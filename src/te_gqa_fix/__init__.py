@@ -19,12 +19,12 @@ _LAZY: Dict[str, str] = {
     "uninstall": "patch",
     "zero_dead_rows": "postpass",
     "dead_row_masks": "postpass",
-    "get_te_version": "stack",
+    "get_te_version": "stack.versions",
     "call_counts": "wrapper",
     "fused_attn_bwd": "patch",
     "reset_call_counts": "wrapper",
-    "use_fixed_cudnn": "cudnn",
-    "check_offset_errors": "offset_errors",
+    "use_fixed_cudnn": "stack.cudnn",
+    "check_offset_errors": "postpass.offset_errors",
 }
 
 __all__ = [
@@ -44,11 +44,11 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from .cudnn import use_fixed_cudnn
-    from .offset_errors import check_offset_errors
     from .patch import fused_attn_bwd, install, is_installed, patched, uninstall
     from .postpass import dead_row_masks, zero_dead_rows
-    from .stack import get_te_version
+    from .postpass.offset_errors import check_offset_errors
+    from .stack.cudnn import use_fixed_cudnn
+    from .stack.versions import get_te_version
     from .wrapper import call_counts, reset_call_counts
 
 

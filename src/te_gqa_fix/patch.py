@@ -15,7 +15,7 @@ from types import FunctionType, ModuleType
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 from ._logging import log_once, logger
-from .stack import get_te_version
+from .stack.versions import get_te_version
 from .wrapper import is_wrapper, unwrap, wrapper_for
 
 __all__ = [

@@ -11,8 +11,13 @@ from typing import Optional, Sequence
 
 import torch
 
-from .offset_errors import OffsetsError
 from .te_names import OFFSET_NAMES
+
+
+class OffsetsError(ValueError):
+    """Offsets that cannot be right: found by :func:`check_values` on the host, or by the
+    post-pass on the device and raised later from its error channel."""
+
 
 __all__ = [
     "MAX_ROWS",
@@ -333,7 +338,7 @@ def check_values(
 ) -> None:
     """Deep checks that read the offsets (host sync): monotonic, lengths fit, in bounds.
 
-    Raises :class:`~te_gqa_fix.offset_errors.OffsetsError` (a ``ValueError``), the same
+    Raises :class:`OffsetsError` (a ``ValueError``), the same
     error the sync-free check raises later, so one ``except`` catches both.
     """
     sides = (

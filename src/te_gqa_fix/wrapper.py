@@ -24,10 +24,11 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from . import affected, fallback, postpass, settings
+from . import fallback, postpass, settings
 from ._logging import log_once, logger
-from .affected import UnrepairableConfiguration
 from .masks import KeySpan, key_span
+from .stack import affected
+from .stack.affected import UnrepairableConfiguration
 from .te_names import LAYOUTS
 from .validation import check_metadata, shape_of
 

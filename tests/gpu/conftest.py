@@ -2,7 +2,7 @@
 
 Tests here need a CUDA GPU and TE; they run on the GPU machine (see docs/validation.md
 for the command). ``TE_GQA_FIX_RECORD=path.jsonl`` makes them append one JSON record per
-case (and one describing the stack: ``te_gqa_fix.stack.stack_summary``) for
+case (and one describing the stack: ``te_gqa_fix.stack.versions.stack_summary``) for
 ``tests/gpu/report.py``.
 """
 
@@ -16,8 +16,8 @@ from typing import Any, Dict, Optional, Tuple
 import pytest
 import torch
 
-from te_gqa_fix.affected import verdict
-from te_gqa_fix.stack import stack_summary, te_cudnn_version
+from te_gqa_fix.stack.affected import verdict
+from te_gqa_fix.stack.versions import stack_summary, te_cudnn_version
 
 # The cuDNN backend must be the one under test: no flash-attn, no unfused fallback.
 os.environ.setdefault("NVTE_FLASH_ATTN", "0")
@@ -59,7 +59,7 @@ def cudnn(te) -> Tuple[int, int, int]:
 
 @pytest.fixture(scope="session")
 def affected(capability, cudnn) -> bool:
-    """The one rule (te_gqa_fix.affected): Hopper with cuDNN older than 9.18 (TE #2186)."""
+    """The one rule (te_gqa_fix.stack.affected): Hopper with cuDNN older than 9.18 (TE #2186)."""
     return verdict(capability, cudnn).status == "affected"
 
 

@@ -457,7 +457,7 @@ def render(recs: List[Rec]) -> str:
         "Head dims above 128",
         "`tests/gpu/test_head_dim.py`, per shape for MHA 8/8, GQA 8/2, MQA 8/1 after a poisoned "
         "block: is TE's own backward plus the post-pass exact (the measured table behind the "
-        "rule in `te_gqa_fix/affected.py`), and is the wrapper exact with default settings "
+        "rule in `te_gqa_fix/stack/affected.py`), and is the wrapper exact with default settings "
         "(the exact fallback where the rule says `unrepairable`, counted).",
         "build|d/d_v|rule|TE + post-pass exact|wrapper exact|fallback calls",
         _head_dim_rows(cases("test_head_dim.py::test_rule_matches_te"),

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import te_gqa_fix
-from te_gqa_fix.affected import cudnn_is_fixed
+from te_gqa_fix.stack.affected import cudnn_is_fixed
 from te_gqa_fix.testing import (
     compare,
     corrupted,
@@ -146,7 +146,7 @@ def test_dpa_large_head_dims(te, cudnn, capability, mask, dims, deterministic, m
     fallback where cuDNN is wrong on live rows, TE itself where it is fixed), also in TE's
     deterministic mode (``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``, as Megatron-Core sets it),
     where two steps give bitwise equal gradients."""
-    from te_gqa_fix.affected import verdict
+    from te_gqa_fix.stack.affected import verdict
 
     monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0" if deterministic else "1")
     batch = make_batch([40, 0, 64, 20], [48, 30, 64, 20], heads_q=8, heads_kv=2,

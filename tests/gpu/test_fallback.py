@@ -169,7 +169,7 @@ def test_declined_call_raises_under_the_default_guard(te, record):
     """q/k 256 with v 128 is wrong on every cuDNN measured: with dropout, which the fallback
     cannot replay, the default guard raises before TE runs, naming the reason."""
     from te_gqa_fix import fused_attn_bwd
-    from te_gqa_fix.affected import UnrepairableConfiguration
+    from te_gqa_fix.stack.affected import UnrepairableConfiguration
 
     batch = _batch("causal_br", HEADS["gqa"], DIMS["256-128"], seed=4)
     with pytest.raises(UnrepairableConfiguration, match="dropout") as err:

@@ -62,7 +62,7 @@ def test_buffers_have_same_shape_across_patterns():
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_postpass_never_syncs(te, impl):
-    from te_gqa_fix import launch
+    from te_gqa_fix.postpass import launch
 
     if impl == "triton" and not launch.available():
         pytest.skip("triton not available")
@@ -80,7 +80,7 @@ def test_postpass_never_syncs(te, impl):
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_postpass_graph_replay_new_offsets(te, impl, record):
-    from te_gqa_fix import launch
+    from te_gqa_fix.postpass import launch
 
     if impl == "triton" and not launch.available():
         pytest.skip("triton not available")
@@ -186,7 +186,7 @@ graph, out = capture(lambda: te_backward(batch, cuda_graph=True))
 graph.replay()
 torch.cuda.synchronize()
 res = compare(batch, out, references(batch))
-from te_gqa_fix import affected
+from te_gqa_fix.stack import affected
 expected = affected.why_unrepairable(torch.cuda.current_device(), 256, 256) is not None
 print("RESULT", exact(res), te_gqa_fix.call_counts()["fallback"], expected, res)
 """

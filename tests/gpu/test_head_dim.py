@@ -1,7 +1,7 @@
 """Head dims above 128, where cuDNN < 9.18 on Hopper is wrong on live rows too.
 
 ``test_rule_matches_te`` measures TE's own backward (plus the post-pass) at each head dim and
-checks the rule in ``te_gqa_fix.affected`` against it: exact exactly where the rule says
+checks the rule in ``te_gqa_fix.stack.affected`` against it: exact exactly where the rule says
 repairable. Through the wrapper every case must be exact: the post-pass where it repairs,
 the exact fallback where the rule says it cannot, and on a fixed cuDNN TE itself.
 """
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import te_gqa_fix
-from te_gqa_fix import affected
+from te_gqa_fix.stack import affected
 from te_gqa_fix.testing import (
     compare,
     exact,
@@ -29,7 +29,7 @@ from te_gqa_fix.wrapper import unwrap, wrapper_for
 
 pytestmark = pytest.mark.gpu
 
-#: (q/k head dim, v head dim): the measured table behind affected.py's rule.
+#: (q/k head dim, v head dim): the measured table behind stack/affected.py's rule.
 SURVEY = [(160, 160), (192, 192), (224, 224), (256, 256), (192, 128), (256, 128), (128, 128)]
 HEADS = [(8, 8), (8, 2), (8, 1)]
 

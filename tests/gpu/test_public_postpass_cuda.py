@@ -23,9 +23,10 @@ from hypothesis import strategies as st
 import te_gqa_fix
 from fakes.cuda_checks import capture, no_host_sync
 from fakes.oracle import assert_rows, bits, expected_keep, make_ragged
-from te_gqa_fix import launch, offset_errors, postpass, zero_dead_rows
+from te_gqa_fix import postpass, zero_dead_rows
 from te_gqa_fix.masks import key_span
-from te_gqa_fix.offset_errors import OffsetsError
+from te_gqa_fix.postpass import launch, offset_errors
+from te_gqa_fix.postpass.offset_errors import OffsetsError
 
 pytestmark = pytest.mark.gpu
 

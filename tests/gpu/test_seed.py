@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import te_gqa_fix
-from te_gqa_fix.affected import cudnn_is_fixed
+from te_gqa_fix.stack.affected import cudnn_is_fixed
 from te_gqa_fix.testing import (
     compare,
     corrupted,

@@ -61,8 +61,8 @@ if HERE not in sys.path:  # loaded by path (pytest) rather than run as a script
 
 from cp_report import check_results, summary_table, write_results  # noqa: E402
 
-from te_gqa_fix.affected import cudnn_is_fixed  # noqa: E402
-from te_gqa_fix.stack import te_cudnn_version  # noqa: E402
+from te_gqa_fix.stack.affected import cudnn_is_fixed  # noqa: E402
+from te_gqa_fix.stack.versions import te_cudnn_version  # noqa: E402
 from te_gqa_fix.testing import ThdBatch, reference_attention, tolerance  # noqa: E402
 
 TENSORS = ("out", "dq", "dk", "dv")
@@ -334,12 +334,12 @@ class Runner:
     # -- environment ------------------------------------------------------------------
 
     def stack(self) -> Dict[str, Any]:
-        """The stack line (``te_gqa_fix.stack.stack_summary``), the rule's verdict for it
-        (``te_gqa_fix.affected``), and this run's own facts (ranks, policy, argv, env)."""
+        """The stack line (``te_gqa_fix.stack.versions.stack_summary``), the rule's verdict for it
+        (``te_gqa_fix.stack.affected``), and this run's own facts (ranks, policy, argv, env)."""
         import te_gqa_fix
-        from te_gqa_fix.affected import verdict
         from te_gqa_fix.settings import get as setting
-        from te_gqa_fix.stack import stack_summary, te_cudnn_version
+        from te_gqa_fix.stack.affected import verdict
+        from te_gqa_fix.stack.versions import stack_summary, te_cudnn_version
 
         info: Dict[str, Any] = stack_summary()
         capability = torch.cuda.get_device_capability(self.device) if self.cuda else None

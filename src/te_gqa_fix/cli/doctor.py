@@ -1,6 +1,6 @@
 """``te-gqa-fix doctor``: is this stack affected, and is the fix active?
 
-Gathers the facts, asks :mod:`te_gqa_fix.affected` for a verdict, runs the seed case on the
+Gathers the facts, asks :mod:`te_gqa_fix.stack.affected` for a verdict, runs the seed case on the
 real TE with and without the fix where a GPU and TE are present, and decides the exit code.
 """
 
@@ -14,9 +14,11 @@ import sys
 from dataclasses import asdict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .. import __version__, affected, cudnn, settings, stack
+from .. import __version__, settings
 from ..autopatch import status as autopatch_status
-from ..cudnn import CudnnLibrary, version_str, version_tuple
+from ..stack import affected, cudnn
+from ..stack import versions as stack
+from ..stack.cudnn import CudnnLibrary, version_str, version_tuple
 from . import fallback_coverage, report
 
 __all__ = ["EXIT_CODES", "collect", "cudnn_library_warnings", "decide", "live_check", "run"]
@@ -78,7 +80,7 @@ def decide(
     """The overall ``(status, exit_code, advice)``; an observation outranks the facts.
 
     Args:
-        verdict_status: :func:`te_gqa_fix.affected.verdict`'s status.
+        verdict_status: :func:`te_gqa_fix.stack.affected.verdict`'s status.
         live: :func:`live_check`'s result, or None.
         fix_active: te-gqa-fix is installed in this process.
         fallback: the exact fallback covers an ``unrepairable`` configuration here.

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Dict, FrozenSet, Optional, Sequence, Tuple
 
 from .cudnn import CUDNN_FIXED, ENV_CUDNN, FIXED, choose_fixed, find_wheel_builds, pip_hint
-from .stack import runtime_facts
+from .versions import runtime_facts
 
 __all__ = [
     "CUDNN_FIXED",

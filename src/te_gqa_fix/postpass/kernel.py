@@ -175,7 +175,7 @@ def _read_offsets(
 ):
     """Chunk ``c`` of the offsets, one lane each: ``(err, f_kv, e_kv, f_q, e_q)``.
 
-    ``err`` holds the :data:`te_gqa_fix.offset_errors.ARGUMENT_BITS` of impossible offsets
+    ``err`` holds the :data:`te_gqa_fix.postpass.offset_errors.ARGUMENT_BITS` of impossible offsets
     (without padded offsets, ``PAD_*_BIT`` name the valid argument); unless ``SEARCH``,
     ``[f, e)`` are each sequence's kept rows (empty past the last one).
     """
@@ -385,7 +385,7 @@ def _postpass_kernel(
                     HAS_WR, SEARCH, HAS_Q, PAD_Q_BIT, PAD_KV_BIT, BLOCK_T, OFF_BLOCK, OFF_CHUNKS,
                 )  # fmt: skip
             # Impossible offsets: every program zeroes nothing; unit 0 records which
-            # argument into the pinned host word err_ptr (te_gqa_fix.offset_errors).
+            # argument into the pinned host word err_ptr (te_gqa_fix.postpass.offset_errors).
             if (bad != 0) & (u == 0):
                 tl.store(err_ptr, tl.load(err_ptr) | bad)
             rows = row0 + rel.to(tl.int64)

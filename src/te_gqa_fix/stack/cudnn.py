@@ -16,8 +16,8 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
-from ._logging import logger as _log
-from .settings import parse
+from .._logging import logger as _log
+from ..settings import parse
 
 #: What users call; the rest is shared with doctor and the start-up hook.
 __all__ = [

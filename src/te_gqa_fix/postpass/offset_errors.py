@@ -13,7 +13,8 @@ from typing import Dict, Optional
 
 import torch
 
-from .te_names import OFFSET_NAMES
+from ..te_names import OFFSET_NAMES
+from ..validation import OffsetsError
 
 __all__ = [
     "ARGUMENT_BITS",
@@ -26,10 +27,6 @@ __all__ = [
 
 #: One bit per offset argument, in TE's names.
 ARGUMENT_BITS: Dict[str, int] = {name: 1 << i for i, name in enumerate(OFFSET_NAMES)}
-
-
-class OffsetsError(ValueError):
-    """Offsets passed to an earlier post-pass call on a device could not be right."""
 
 
 class _Record:

@@ -13,9 +13,9 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
+from .._logging import log_once
+from ..masks import KeySpan
 from . import kernel, offset_errors
-from ._logging import log_once
-from .masks import KeySpan
 
 __all__ = ["Plan", "available", "make_plan", "run_kernel", "unsupported"]
 

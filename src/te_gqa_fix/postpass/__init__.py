@@ -3,6 +3,10 @@
 On the affected cuDNN builds the damage is on rows whose true gradient is 0, so zeros there
 are exact. :func:`kernel_plan` decides kernel-or-torch; the PyTorch path uses shape-driven
 device ops only (no ``.item()``, no branch on a tensor value), so it is CUDA-graph safe.
+
+The package is the whole post-pass: this module (the public functions and the PyTorch path),
+:mod:`.kernel` (the Triton kernel), :mod:`.launch` (its launch plans and the one launch
+route) and :mod:`.offset_errors` (the sync-free error channel for impossible offsets).
 """
 
 from __future__ import annotations
@@ -13,10 +17,10 @@ from typing import Literal, Optional, Sequence
 
 import torch
 
-from . import launch, offset_errors, settings
-from ._logging import log_once
-from .masks import KeySpan, key_bounds, key_span
-from .validation import (
+from .. import settings
+from .._logging import log_once
+from ..masks import KeySpan, key_bounds, key_span
+from ..validation import (
     check_disjoint,
     check_in_place,
     check_metadata,
@@ -26,6 +30,7 @@ from .validation import (
     check_values,
     shape_of,
 )
+from . import launch, offset_errors
 
 __all__ = [
     "DeadRows",
@@ -172,7 +177,7 @@ def dead_row_masks(
     Raises:
         ValueError: malformed arguments, naming the argument (the checks and messages of
             :func:`zero_dead_rows`). Impossible offsets give masks with nothing dead and
-            are reported as described in :mod:`te_gqa_fix.offset_errors` (CPU:
+            are reported as described in :mod:`te_gqa_fix.postpass.offset_errors` (CPU:
             ``OffsetsError``, a ``ValueError``, at once; CUDA: at the next post-pass call).
     """
     # The checks of zero_dead_rows, in its order: the same input gets the same error.
@@ -267,7 +272,7 @@ def kernel_plan(
         span: the mask's key interval rule.
 
     Returns:
-        A :class:`te_gqa_fix.launch.Plan` where the kernel handles these tensors (CUDA,
+        A :class:`te_gqa_fix.postpass.launch.Plan` where the kernel handles these tensors (CUDA,
         Triton, plain fp16/bf16/fp32 tensors), else None (why is logged once at DEBUG).
     """
     if _broken or dk.device.type != "cuda" or not launch.available():
@@ -346,7 +351,7 @@ def zero_dead_rows(
             the argument, before anything is written. Impossible offset values make the
             call zero nothing and raise ``OffsetsError`` (a ValueError): at once on CPU or
             with validation on, else at the next post-pass call on that device (see
-            :mod:`te_gqa_fix.offset_errors`).
+            :mod:`te_gqa_fix.postpass.offset_errors`).
     """
     if impl not in ("auto", "torch", "triton"):
         raise ValueError(f"impl: expected 'auto', 'torch' or 'triton', got {impl!r}")
