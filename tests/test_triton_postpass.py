@@ -36,8 +36,9 @@ from fakes.interpreter import results, start_checks, worker_main
 from fakes.oracle import KNOWN, Ragged, assert_rows, bits, expected_keep, make_ragged
 from te_gqa_fix import postpass
 from te_gqa_fix.masks import KNOWN_MASK_TYPES, KeySpan, key_span
-from te_gqa_fix.postpass import _offset_error_bits, launch, offset_errors, zero_dead_rows
+from te_gqa_fix.postpass import launch, offset_errors, zero_dead_rows
 from te_gqa_fix.postpass.offset_errors import OffsetsError
+from te_gqa_fix.validation import offset_error_bits, offset_faults
 
 LAYOUTS = ("separate", "t2hd", "th2d", "t3hd", "th3d", "transposed")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -370,13 +371,8 @@ def check_bad_offsets(nseq: int, first_bad: int, device: str = "cpu") -> None:
         if device != "cpu":
             torch.cuda.synchronize()
         i64 = [None if x is None else x.to(torch.int64) for x in offs]
-        want = int(
-            _offset_error_bits(
-                i64[0], i64[1], i64[0] if pq is None else i64[2],
-                i64[1] if pk is None else i64[3], pq is not None, pk is not None,
-                rq if with_q else None, rk,
-            )
-        )  # fmt: skip
+        faults = offset_faults(*i64, rq if with_q else None, rk)
+        want = int(offset_error_bits(faults))
         assert int(offset_errors.kernel_flag(dk.device)[0]) == want, (i, dtype, want)
         if i == 4:
             assert want == 0, "a short dQ buffer is no error when there is no dQ"
@@ -463,10 +459,9 @@ def _malformed_body(case: Dict[str, Any]) -> None:
     dk, dv = torch.randn(rows_kv, 1, 3, generator=gen), torch.randn(rows_kv, 1, 3, generator=gen)
     before = [None if t is None else t.clone() for t in (dq, dk, dv)]
     kernel_zero(dq, dk, dv, (cu_q, cu_kv, pad_q, pad_kv), key_span(case["mask"]))
-    pads = (cu_q if pad_q is None else pad_q, cu_kv if pad_kv is None else pad_kv)
-    i64 = [t.to(torch.int64) for t in (cu_q, cu_kv, *pads)]
-    want = int(_offset_error_bits(*i64, pad_q is not None, pad_kv is not None,
-                                  rows_q if case["with_q"] else None, rows_kv))  # fmt: skip
+    i64 = [None if t is None else t.to(torch.int64) for t in (cu_q, cu_kv, pad_q, pad_kv)]
+    faults = offset_faults(*i64, rows_q if case["with_q"] else None, rows_kv)
+    want = int(offset_error_bits(faults))
     assert int(offset_errors.kernel_flag(cpu)[0]) == want, (want, case)
     if want:
         for t, b in zip((dq, dk, dv), before):

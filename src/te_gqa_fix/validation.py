@@ -1,13 +1,16 @@
 """The one input gate: every public entry point checks its arguments here, same messages.
 
 :func:`check_offsets` and :func:`check_metadata` read only metadata (no host sync, safe in
-CUDA-graph capture); :func:`check_values` reads the offsets (a host sync) and runs on CPU
-offsets, for ``plan``, and with ``TE_GQA_FIX_VALIDATE=on``. Errors name the argument.
+CUDA-graph capture). :func:`offset_faults` is the one statement of which offset values are
+impossible, as device ops: :func:`check_values` reads it on the host (a sync: on CPU offsets,
+for ``plan``, and with ``TE_GQA_FIX_VALIDATE=on``) and :func:`offset_error_bits` folds it
+into the error word the post-pass records without a sync. Errors name the argument.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import functools
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -20,7 +23,9 @@ class OffsetsError(ValueError):
 
 
 __all__ = [
+    "ARGUMENT_BITS",
     "MAX_ROWS",
+    "OffsetsError",
     "check_disjoint",
     "check_in_place",
     "check_metadata",
@@ -28,11 +33,16 @@ __all__ = [
     "check_rows",
     "check_rows_disjoint",
     "check_values",
+    "offset_error_bits",
+    "offset_faults",
     "shape_of",
 ]
 
 #: The most token rows a buffer may have: TE's offsets are int32.
 MAX_ROWS = 2**31 - 1
+
+#: The error word's layout: one bit per offset argument, in TE's names.
+ARGUMENT_BITS: Dict[str, int] = {name: 1 << i for i, name in enumerate(OFFSET_NAMES)}
 
 
 def _offsets(name: str, value: object, device: Optional[torch.device]) -> torch.Tensor:
@@ -316,16 +326,81 @@ def check_disjoint(tensors: Sequence[tuple[str, Optional[torch.Tensor]]]) -> Non
                 )
 
 
-def _check_monotonic(name: str, t: torch.Tensor) -> list[int]:
-    values = [int(x) for x in t.tolist()]
-    if values and values[0] < 0:
-        raise OffsetsError(f"{name}: expected offsets >= 0, got {values[0]} first")
-    for i, (a, b) in enumerate(zip(values, values[1:]), 1):
-        if b < a:
-            raise OffsetsError(
-                f"{name}: expected non-decreasing offsets, got {a} then {b} at index {i}"
-            )
-    return values
+class Fault(NamedTuple):
+    """One way offsets are impossible: where it holds and which arguments it names."""
+
+    names: tuple  # the offending arguments (their ARGUMENT_BITS)
+    bad: torch.Tensor  # bool, per offset or per sequence: where it holds
+    message: Callable[[int], str]  # the error for the first index where it holds (host)
+
+
+def _order_message(name: str, x: torch.Tensor, i: int) -> str:
+    if i == 0:
+        return f"{name}: expected offsets >= 0, got {int(x[0])} first"
+    a, b = int(x[i - 1]), int(x[i])
+    return f"{name}: expected non-decreasing offsets, got {a} then {b} at index {i}"
+
+
+def _short_message(names: tuple, cu: torch.Tensor, buf: torch.Tensor, b: int) -> str:
+    tokens, rows = int(cu[b + 1] - cu[b]), int(buf[b + 1] - buf[b])
+    return f"{names[0]}: sequence {b} has {tokens} tokens but {names[1]} gives it only {rows} rows"
+
+
+def _past_message(name: str, buf: torch.Tensor, rows: int, side: str, _: int) -> str:
+    return f"{name}: last offset {int(buf[-1])} is past the {rows} {side} rows of the buffer"
+
+
+def offset_faults(
+    cu_q: torch.Tensor,
+    cu_kv: torch.Tensor,
+    pad_q: Optional[torch.Tensor],
+    pad_kv: Optional[torch.Tensor],
+    rows_q: Optional[int],
+    rows_kv: int,
+) -> List[Fault]:
+    """The one statement of impossible THD offsets, as device ops (no sync, graph-safe).
+
+    Every offset argument is non-negative and non-decreasing; every sequence's buffer segment
+    holds its valid tokens; each side's last buffer offset lies within its buffer. The buffer
+    offsets are the padded ones, or the valid ones where padded offsets are not given (TE's
+    rule), and a fault of the buffer offsets names that argument. The Triton kernel restates
+    this in ``tl``; its tests hold it to :func:`offset_error_bits`.
+
+    Args:
+        cu_q, cu_kv, pad_q, pad_kv: int64 offsets of one length >= 1 (``pad_*`` None: not
+            given).
+        rows_q: the q buffer's rows, or None (its end is not checked); rows_kv: kv's rows.
+
+    Returns:
+        The faults, in the order :func:`check_values` reports them.
+    """
+    faults = []
+    for side, cu, pad, rows in (("q", cu_q, pad_q, rows_q), ("kv", cu_kv, pad_kv, rows_kv)):
+        cu_name, pad_name = f"cu_seqlens_{side}", f"cu_seqlens_{side}_padded"
+        for name, x in ((cu_name, cu), (pad_name, pad)):
+            if x is not None:
+                bad = torch.cat((x[:1] < 0, x[1:] < x[:-1]))
+                faults.append(Fault((name,), bad, functools.partial(_order_message, name, x)))
+        buf, buf_name = (cu, cu_name) if pad is None else (pad, pad_name)
+        short = (buf[1:] - buf[:-1]) < (cu[1:] - cu[:-1])
+        names = (cu_name, buf_name)
+        faults.append(Fault(names, short, functools.partial(_short_message, names, cu, buf)))
+        if rows is not None:
+            past = buf[-1:] > rows
+            message = functools.partial(_past_message, buf_name, buf, rows, side)
+            faults.append(Fault((buf_name,), past, message))
+    return faults
+
+
+def offset_error_bits(faults: Sequence[Fault]) -> torch.Tensor:
+    """The :data:`ARGUMENT_BITS` of every argument some fault names, as an int32 device
+    scalar (no sync): what the post-pass records in its error word."""
+    bits = None
+    for fault in faults:
+        mask = sum(ARGUMENT_BITS[name] for name in set(fault.names))
+        term = fault.bad.any().to(torch.int32) * mask
+        bits = term if bits is None else bits | term
+    return bits  # type: ignore[return-value]
 
 
 def check_values(
@@ -336,27 +411,14 @@ def check_values(
     cu_seqlens_q_padded: Optional[torch.Tensor],
     cu_seqlens_kv_padded: Optional[torch.Tensor],
 ) -> None:
-    """Deep checks that read the offsets (host sync): monotonic, lengths fit, in bounds.
+    """:func:`offset_faults`, read on the host (a sync): the first fault raises.
 
-    Raises :class:`OffsetsError` (a ``ValueError``), the same
-    error the sync-free check raises later, so one ``except`` catches both.
+    Raises :class:`OffsetsError` (a ``ValueError``), the same error the sync-free check
+    raises later, so one ``except`` catches both.
     """
-    sides = (
-        ("q", rows_q, cu_seqlens_q, cu_seqlens_q_padded),
-        ("kv", rows_kv, cu_seqlens_kv, cu_seqlens_kv_padded),
-    )
-    for side, rows, cu, pad in sides:
-        cu_name, pad_name = f"cu_seqlens_{side}", f"cu_seqlens_{side}_padded"
-        valid = _check_monotonic(cu_name, cu)
-        padded = valid if pad is None else _check_monotonic(pad_name, pad)
-        where = pad_name if pad is not None else cu_name
-        for b, (v0, v1, p0, p1) in enumerate(zip(valid, valid[1:], padded, padded[1:])):
-            if v1 - v0 > p1 - p0:
-                raise OffsetsError(
-                    f"{cu_name}: sequence {b} has {v1 - v0} tokens but {where} gives it "
-                    f"only {p1 - p0} rows"
-                )
-        if rows is not None and padded and padded[-1] > rows:
-            raise OffsetsError(
-                f"{where}: last offset {padded[-1]} is past the {rows} {side} rows of the buffer"
-            )
+    offsets = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
+    cpu = [None if t is None else t.detach().to("cpu", torch.int64) for t in offsets]
+    for fault in offset_faults(*cpu, rows_q, rows_kv):  # type: ignore[arg-type]
+        where = fault.bad.nonzero()
+        if where.numel():
+            raise OffsetsError(fault.message(int(where[0, 0])))

@@ -28,6 +28,8 @@ from ..validation import (
     check_rows,
     check_rows_disjoint,
     check_values,
+    offset_error_bits,
+    offset_faults,
     shape_of,
 )
 from . import launch, offset_errors
@@ -66,42 +68,6 @@ def _row_sequences(rows: int, padded: torch.Tensor):
     return inside, seg, pos
 
 
-def _any_decrease(x: torch.Tensor) -> torch.Tensor:
-    """Device bool scalar: some offset negative or smaller than the one before."""
-    return (x < 0).any() | (x[1:] < x[:-1]).any()
-
-
-def _offset_error_bits(
-    cu_q: torch.Tensor,
-    cu_kv: torch.Tensor,
-    pad_q: torch.Tensor,
-    pad_kv: torch.Tensor,
-    pad_q_given: bool,
-    pad_kv_given: bool,
-    rows_q: Optional[int],
-    rows_kv: int,
-) -> torch.Tensor:
-    """The Triton kernel's offset verdict as an int32 device scalar (no sync); a bad buffer
-    offset names the padded argument when one was given, else the valid one (TE's rule)."""
-    bit = offset_errors.ARGUMENT_BITS
-    pq_bit = bit["cu_seqlens_q_padded" if pad_q_given else "cu_seqlens_q"]
-    pk_bit = bit["cu_seqlens_kv_padded" if pad_kv_given else "cu_seqlens_kv"]
-    bad_pq = _any_decrease(pad_q)
-    bad_pk = _any_decrease(pad_kv)
-    if rows_q is not None:
-        bad_pq = bad_pq | (pad_q[-1] > rows_q)
-    bad_pk = bad_pk | (pad_kv[-1] > rows_kv)
-    # A padded segment shorter than its valid length: the two disagree, name both.
-    short_q = ((pad_q[1:] - pad_q[:-1]) < (cu_q[1:] - cu_q[:-1])).any()
-    short_k = ((pad_kv[1:] - pad_kv[:-1]) < (cu_kv[1:] - cu_kv[:-1])).any()
-    i32 = torch.int32
-    bits = _any_decrease(cu_q).to(i32) * bit["cu_seqlens_q"]
-    bits = bits | _any_decrease(cu_kv).to(i32) * bit["cu_seqlens_kv"]
-    bits = bits | bad_pq.to(i32) * pq_bit | bad_pk.to(i32) * pk_bit
-    bits = bits | short_q.to(i32) * (pq_bit | bit["cu_seqlens_q"])
-    return bits | short_k.to(i32) * (pk_bit | bit["cu_seqlens_kv"])
-
-
 def _dead_rows(
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_kv: torch.Tensor,
@@ -115,8 +81,9 @@ def _dead_rows(
     cu_q, cu_kv = cu_seqlens_q.to(torch.int64), cu_seqlens_kv.to(torch.int64)
     pad_q = cu_q if cu_seqlens_q_padded is None else cu_seqlens_q_padded.to(torch.int64)
     pad_kv = cu_kv if cu_seqlens_kv_padded is None else cu_seqlens_kv_padded.to(torch.int64)
-    given = (cu_seqlens_q_padded is not None, cu_seqlens_kv_padded is not None)
-    errors = _offset_error_bits(cu_q, cu_kv, pad_q, pad_kv, *given, rows_q, rows_kv)
+    given_q = None if cu_seqlens_q_padded is None else pad_q
+    given_kv = None if cu_seqlens_kv_padded is None else pad_kv
+    errors = offset_error_bits(offset_faults(cu_q, cu_kv, given_q, given_kv, rows_q, rows_kv))
     ok = errors == 0
     if cu_seqlens_q.numel() <= 1:  # no sequence: every row is dead
         ones = dict(dtype=torch.bool, device=cu_seqlens_kv.device)

@@ -13,8 +13,7 @@ from typing import Dict, Optional
 
 import torch
 
-from ..te_names import OFFSET_NAMES
-from ..validation import OffsetsError
+from ..validation import ARGUMENT_BITS, OffsetsError
 
 __all__ = [
     "ARGUMENT_BITS",
@@ -24,9 +23,6 @@ __all__ = [
     "raise_pending",
     "record_device_bits",
 ]
-
-#: One bit per offset argument, in TE's names.
-ARGUMENT_BITS: Dict[str, int] = {name: 1 << i for i, name in enumerate(OFFSET_NAMES)}
 
 
 class _Record:
