@@ -26,7 +26,7 @@ from common import by_name, cumsum, median, metadata, one_cpu, packed, write
 
 import te_gqa_fix
 from te_gqa_fix.masks import key_span
-from te_gqa_fix.postpass import kernel_plan, zero_dead_rows
+from te_gqa_fix.postpass import prepare_kernel, zero_dead_rows
 from te_gqa_fix.postpass.launch import run_kernel
 from te_gqa_fix.wrapper import call_counts, wrapper_for
 
@@ -115,7 +115,7 @@ def host_us(
     names = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
     offs = tuple(kw.get(n) for n in names)
     span = key_span(kw["attn_mask_type"], kw["window_size"], kw.get("bottom_right_diagonal"))
-    plan = kernel_plan(dq, dk, dv, offs, span)
+    plan = prepare_kernel(dq, dk, dv, offs, span)
     if plan is not None:
         calls["launch"] = lambda: run_kernel(plan, dq, dk, dv, offs)
     did = {}

@@ -388,7 +388,7 @@ def test_validate_keeps_its_immediate_check(case: str, monkeypatch: pytest.Monke
     # does the PyTorch path (SHARED's rows: no host read unless asked for);
     # TE_GQA_FIX_VALIDATE=1 reads them first and raises in the call, before the launch.
     launches: List[int] = []
-    monkeypatch.setattr(postpass, "kernel_plan", lambda *args: object())  # as on CUDA
+    monkeypatch.setattr(postpass, "prepare_kernel", lambda *args: object())  # as on CUDA
     monkeypatch.setattr(launch, "run_kernel", lambda *args: launches.append(1))
     bad = _good_call()
     SHARED[case][0](bad)
@@ -477,7 +477,7 @@ def test_a_failing_kernel_falls_back_to_the_pytorch_post_pass(
         raise RuntimeError("compile failed")
 
     monkeypatch.setattr(postpass, "_broken", False)
-    monkeypatch.setattr(postpass, "kernel_plan", lambda *args: object())  # as on CUDA
+    monkeypatch.setattr(postpass, "prepare_kernel", lambda *args: object())  # as on CUDA
     monkeypatch.setattr(launch, "run_kernel", boom)
     ragged = make_ragged([(3, 5), (0, 4), (2, 2)], gaps_q=[1, 0, 1], gaps_kv=[0, 2, 1], tail_kv=1)
     keep_q, keep_kv = expected_keep(ragged, "padding_causal")
@@ -497,7 +497,7 @@ def test_impl_torch_never_asks_for_the_kernel(monkeypatch: pytest.MonkeyPatch) -
     def no_kernel(*args: Any) -> None:
         raise AssertionError("impl='torch' asked for a kernel plan")
 
-    monkeypatch.setattr(postpass, "kernel_plan", no_kernel)
+    monkeypatch.setattr(postpass, "prepare_kernel", no_kernel)
     dq, dk, dv = _grads()
     zero_dead_rows(dq, dk, dv, **OFFS, impl="torch")  # type: ignore[arg-type]
     assert bool((dk[0] == 0).all())

@@ -92,8 +92,8 @@ def test_host_timing_measures_the_modes_it_names(monkeypatch: pytest.MonkeyPatch
     )
     out = te(**kw)
     launched = []
-    plan = object()  # what kernel_plan returns where CUDA and Triton are present
-    monkeypatch.setattr(bench_postpass, "kernel_plan", lambda *a: plan)
+    plan = object()  # what prepare_kernel returns where CUDA and Triton are present
+    monkeypatch.setattr(bench_postpass, "prepare_kernel", lambda *a: plan)
     monkeypatch.setattr(bench_postpass, "run_kernel", lambda *a: launched.append(a))
     res = bench_postpass.host_us(te, kw, out, {"postpass": "always", "passthrough": "off"}, 20)
     assert len(te_calls) == 1, "the stub must stand in for TE's function"

@@ -70,7 +70,7 @@ class FakeFallback:
 
     def decide(self, facts: Any) -> Any:
         self.decided.append(facts)
-        return self.reason or fallback.Plan((-1, -1), False, True, "thd_thd_thd", False, False)
+        return self.reason or fallback.Recipe((-1, -1), False, True, "thd_thd_thd", False, False)
 
     def run(self, plan: Any, call: Dict[str, Any]) -> list:
         assert self.reason is None, "run called after the fallback declined"

@@ -310,7 +310,7 @@ def test_new_output_metadata_is_checked_and_planned_again(
         ran.append(plan)
         real_run(dq, dk, dv, offsets, span, None, validate)  # the PyTorch post-pass: CPU tensors
 
-    monkeypatch.setattr(postpass, "kernel_plan", plan)
+    monkeypatch.setattr(postpass, "prepare_kernel", plan)
     monkeypatch.setattr(postpass, "zero_checked", run)
     fake = FakeTE("2.20")
     wrapped = wrapper_for(fake.fn)

@@ -56,30 +56,30 @@ PATHS: Dict[str, Dict[str, int]] = {
 }
 
 
-def _path_of(plan: launch.Plan) -> str:
+def _path_of(plan: launch.KernelLaunch) -> str:
     return "search" if plan.meta["SEARCH"] else "once" if plan.meta["ONCE"] else "chunks"
 
 
 @contextmanager
-def kernel_path(name: str, **extra: int) -> Iterator[List[launch.Plan]]:
+def kernel_path(name: str, **extra: int) -> Iterator[List[launch.KernelLaunch]]:
     """Inside, the launch constants of ``PATHS[name]`` (and ``extra``); yields the plans made
     inside, and checks on the way out that there were some and they took that path."""
     constants = {**PATHS[name], **extra}
     saved = {k: getattr(launch, k) for k in constants}
-    plans: List[launch.Plan] = []
-    make_plan = launch.make_plan
+    plans: List[launch.KernelLaunch] = []
+    make_plan = launch.prepare
 
-    def recording(*args: Any) -> launch.Plan:
+    def recording(*args: Any) -> launch.KernelLaunch:
         plans.append(make_plan(*args))
         return plans[-1]
 
     for k, v in constants.items():
         setattr(launch, k, v)
-    launch.make_plan = recording  # type: ignore[assignment]
+    launch.prepare = recording  # type: ignore[assignment]
     try:
         yield plans
     finally:
-        launch.make_plan = make_plan  # type: ignore[assignment]
+        launch.prepare = make_plan  # type: ignore[assignment]
         for k, v in saved.items():
             setattr(launch, k, v)
     assert plans, "the kernel never ran"
@@ -92,7 +92,7 @@ def kernel_zero(dq, dk, dv, offsets: tuple, span: KeySpan) -> None:
     """The kernel alone (any offset dtype it takes), through the one launch route."""
     if dk.device.type == "cuda":
         assert launch.unsupported(dq, dk, dv, offsets) is None
-    launch.run_kernel(launch.make_plan(dq, dk, dv, offsets, span), dq, dk, dv, offsets)
+    launch.run_kernel(launch.prepare(dq, dk, dv, offsets, span), dq, dk, dv, offsets)
 
 
 # --------------------------------------------------------------------------- cases
@@ -487,11 +487,11 @@ def _check_public_path() -> None:
     impossible offsets through the kernel: nothing zeroed, raised at the next call."""
     reached: List[int] = []
 
-    def cpu_kernel_plan(dq, dk, dv, offsets, span):  # kernel_plan minus its CUDA gate
+    def cpu_kernel_plan(dq, dk, dv, offsets, span):  # prepare_kernel minus its CUDA gate
         reached.append(1)
-        return launch.make_plan(dq, dk, dv, offsets, span)
+        return launch.prepare(dq, dk, dv, offsets, span)
 
-    real, postpass.kernel_plan = postpass.kernel_plan, cpu_kernel_plan  # type: ignore[assignment]
+    real, postpass.prepare_kernel = postpass.prepare_kernel, cpu_kernel_plan  # type: ignore[assignment]
     try:
         _examples(
             12,
@@ -507,7 +507,7 @@ def _check_public_path() -> None:
         _public_bad_offsets()
         assert not postpass._broken
     finally:
-        postpass.kernel_plan = real  # type: ignore[assignment]
+        postpass.prepare_kernel = real  # type: ignore[assignment]
 
 
 def _public_body(pairs, gaps, mask, window, brd, with_q) -> None:
@@ -620,7 +620,7 @@ def _small_case() -> Tuple[torch.Tensor, ...]:
 
 def test_cpu_tensors_get_no_kernel_plan() -> None:
     dq, dk, dv, *offs = _small_case()
-    assert postpass.kernel_plan(dq, dk, dv, tuple(offs), key_span("padding_causal")) is None
+    assert postpass.prepare_kernel(dq, dk, dv, tuple(offs), key_span("padding_causal")) is None
     assert launch.unsupported(dq, dk, dv, tuple(offs)) == "device cpu"
 
 
@@ -639,7 +639,7 @@ def test_launch_reuses_the_launcher_per_pointer_alignment(monkeypatch: pytest.Mo
     # compiled kernel whose run() records what each later launch gives it.
     dq, dk, dv, *offs = _small_case()
     shifted = torch.randn(12 * 8 + 2)[2:].view(12, 1, 8)  # 8 bytes past a 16-byte boundary
-    plan = launch.make_plan(dq, dk, dv, tuple(offs), key_span("padding_causal"))
+    plan = launch.prepare(dq, dk, dv, tuple(offs), key_span("padding_causal"))
     compiles: List[int] = []
     runs: List[Tuple[int, tuple]] = []
 
@@ -778,7 +778,7 @@ def test_gpu_no_sync_and_cuda_graph() -> None:
     pad_t = torch.tensor(pad, dtype=torch.int32, device=dev)
     args = (dq, dk, dv, cu_q, cu_kv, pad_t, pad_t)
     mask = "padding_causal_bottom_right"
-    assert postpass.kernel_plan(dq, dk, dv, args[3:], key_span(mask)) is not None
+    assert postpass.prepare_kernel(dq, dk, dv, args[3:], key_span(mask)) is not None
 
     zero_dead_rows(*args, attn_mask_type=mask, impl="triton")  # compile outside
     torch.cuda.synchronize()

@@ -7,7 +7,7 @@ FlashAttention-2 varlen backward computes the same gradients from TE's forward o
 softmax statistics, with the offsets kept on the device: no host sync, CUDA-graph safe.
 
 A call is decided from its metadata once (:func:`call_facts` -> :func:`decide`: a
-:class:`Plan`, or why not); :func:`run` then does the work for every call of that shape.
+:class:`Recipe`, or why not); :func:`run` then does the work for every call of that shape.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from .te_names import MASKS, OFFSET_NAMES, PACKED, THD_LAYOUTS, THD_MASKS
 
 __all__ = [
     "CallFacts",
-    "Plan",
+    "Recipe",
     "call_facts",
     "coverage",
     "decide",
@@ -97,7 +97,7 @@ class CallFacts(NamedTuple):
     deterministic: bool
 
 
-class Plan(NamedTuple):
+class Recipe(NamedTuple):
     """How :func:`run` computes one call shape.
 
     ``window`` is FlashAttention-2's (bottom-right aligned) window; ``split``: top-left causal
@@ -262,14 +262,14 @@ def _stats_layout_known(f: CallFacts) -> bool:
     )  # fmt: skip
 
 
-def decide(f: CallFacts) -> Union[Plan, str]:
+def decide(f: CallFacts) -> Union[Recipe, str]:
     """How :func:`run` serves a call with these facts, or why it cannot.
 
     Args:
         f: :func:`call_facts` of the call.
 
     Returns:
-        A :class:`Plan`, or the reason (naming the argument or the limit) it is declined.
+        A :class:`Recipe`, or the reason (naming the argument or the limit) it is declined.
     """
     if f.dropout not in (None, 0, 0.0):
         return f"dropout={f.dropout!r} (cuDNN's dropout mask cannot be replayed)"
@@ -298,7 +298,7 @@ def decide(f: CallFacts) -> Union[Plan, str]:
         return reason
     window, split = mask
     one_segmentation = f.one_offsets and f.one_padded and f.q.shape[0] == f.k.shape[0]  # type: ignore[union-attr]
-    return Plan(
+    return Recipe(
         window, split, _stats_layout_known(f), str(f.dqkv_layout), f.deterministic,
         one_segmentation,
     )  # fmt: skip
@@ -354,8 +354,8 @@ def why_not(call: Mapping[str, Any]) -> Optional[str]:
     Returns:
         None when it does; else the reason, naming the argument or the limit.
     """
-    plan = decide(call_facts(call))
-    return plan if isinstance(plan, str) else None
+    recipe = decide(call_facts(call))
+    return recipe if isinstance(recipe, str) else None
 
 
 # ------------------------------------------------------------------------------ the work
@@ -480,7 +480,7 @@ def _pack(layout: str, grads: Tuple[torch.Tensor, ...]) -> List[torch.Tensor]:
     return [*grads[:first], *torch.stack(grads[first:], dim).unbind(dim)]
 
 
-def run(plan: Plan, call: Mapping[str, Any]) -> List[Optional[torch.Tensor]]:
+def run(recipe: Recipe, call: Mapping[str, Any]) -> List[Optional[torch.Tensor]]:
     """What TE's ``fused_attn_bwd(**call)`` returns, computed with FlashAttention-2.
 
     Every row with a nonzero true gradient is exact. Rows whose true gradient is 0 (padding,
@@ -489,7 +489,7 @@ def run(plan: Plan, call: Mapping[str, Any]) -> List[Optional[torch.Tensor]]:
     ``max_seqlen_q``/``max_seqlen_kv`` must bound every valid sequence length, as TE requires.
 
     Args:
-        plan: :func:`decide`'s plan for this call's :func:`call_facts`.
+        recipe: :func:`decide`'s recipe for this call's :func:`call_facts`.
         call: TE's ``fused_attn_bwd`` arguments by name, defaults applied.
 
     Returns:
@@ -498,7 +498,7 @@ def run(plan: Plan, call: Mapping[str, Any]) -> List[Optional[torch.Tensor]]:
     q, k, v, d_o = (_ready(call[n]) for n in ("q", "k", "v", "d_o"))
     rows_q, rows_k, d_qk, d_v = q.shape[0], k.shape[0], q.shape[-1], v.shape[-1]
     out = lse = None
-    if plan.reuse_stats:
+    if recipe.reuse_stats:
         out = _ready(call["o"])
         # [t, h, 1], row t = buffer row t of q: FlashAttention-2's [h, t] on our segments.
         stats = call["aux_ctx_tensors"][0][:rows_q, :, 0].t()
@@ -511,7 +511,7 @@ def run(plan: Plan, call: Mapping[str, Any]) -> List[Optional[torch.Tensor]]:
         pad = (0, d_qk - d_v)
         v, d_o = F.pad(v, pad), F.pad(d_o, pad)
         out = None if out is None else F.pad(out, pad)
-    if plan.deterministic and not _deterministic_available():
+    if recipe.deterministic and not _deterministic_available():
         log_once(
             ("no-deterministic-fa2",), logging.WARNING,
             "te_gqa_fix: deterministic=True, but FlashAttention-2 in torch %s has no "
@@ -520,14 +520,14 @@ def run(plan: Plan, call: Mapping[str, Any]) -> List[Optional[torch.Tensor]]:
         )  # fmt: skip
     scale = call.get("attn_scale")
     args = _Args(q, k, v, d_o, *_bounds(call), d_qk**-0.5 if scale is None else float(scale))
-    det = plan.deterministic
+    det = recipe.deterministic
     start_q, len_q, start_k, len_k = _sequences(call)
-    if not plan.split:
+    if not recipe.split:
         off_q = _varlen_offsets(start_q, start_q + len_q, rows_q)
         off_k = (
-            off_q if plan.one_segmentation else _varlen_offsets(start_k, start_k + len_k, rows_k)
+            off_q if recipe.one_segmentation else _varlen_offsets(start_k, start_k + len_k, rows_k)
         )
-        dq, dk, dv = _flash(args, off_q, off_k, plan.window, det, out, lse)
+        dq, dk, dv = _flash(args, off_q, off_k, recipe.window, det, out, lse)
     else:
         # Top-left causal: query i of a sequence sees keys [0, min(i, lk - 1)]. The first
         # n = min(lq, lk) queries and keys form a square, causal both ways round; queries
@@ -545,7 +545,7 @@ def run(plan: Plan, call: Mapping[str, Any]) -> List[Optional[torch.Tensor]]:
         in_b = torch.searchsorted(off_qb, rows, right=True) % 2 == 0
         dq = torch.where(in_b.view(-1, 1, 1), dq_b, dq)
         dk, dv = dk + dk_b, dv + dv_b
-    return [*_pack(plan.layout, (dq, dk, dv[..., :d_v])), None, None]
+    return [*_pack(recipe.layout, (dq, dk, dv[..., :d_v])), None, None]
 
 
 def exact_backward(call: Mapping[str, Any]) -> List[Optional[torch.Tensor]]:
@@ -561,7 +561,7 @@ def exact_backward(call: Mapping[str, Any]) -> List[Optional[torch.Tensor]]:
     Raises:
         ValueError: when :func:`why_not` gives a reason.
     """
-    plan = decide(call_facts(call))
-    if isinstance(plan, str):
-        raise ValueError(f"exact_backward cannot reproduce this call: {plan}")
-    return run(plan, call)
+    recipe = decide(call_facts(call))
+    if isinstance(recipe, str):
+        raise ValueError(f"exact_backward cannot reproduce this call: {recipe}")
+    return run(recipe, call)

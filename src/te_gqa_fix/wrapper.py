@@ -5,7 +5,7 @@ One call, top to bottom (``fused_attn_bwd`` below):
 1. the settings, parsed (a typo in any of them raises here, at the first call);
 2. the call's metadata -> its :class:`Decision`, made once per call shape and cached: TE's
    call untouched where a measured cuDNN is right (:mod:`.affected`), else post-pass or not,
-   the guard's verdict, the fallback's plans, the post-pass kernel's launch plan;
+   the guard's verdict, the fallback's recipes, the post-pass kernel's prepared launch;
 3. the guard, where TE's result is wrong beyond any post-pass: the exact fallback
    (:mod:`.fallback`) instead of TE, or an error; never TE's wrong result unless asked;
 4. the post-pass (:mod:`.postpass`) on the gradients.
@@ -136,15 +136,16 @@ class Decision:
         dq_too: dQ is THD, so its dead rows are zeroed as well.
         span: the mask's attended-key rule (:func:`te_gqa_fix.masks.key_span`).
         unrepairable: why TE's result is wrong beyond any post-pass here, or None.
-        fallback_plans: :func:`te_gqa_fix.fallback.call_facts` -> the fallback's plan, or
+        fallback_recipes: :func:`te_gqa_fix.fallback.call_facts` -> the fallback's recipe, or
             why it declines.
-        out_key, kernel: the gradients' metadata and the post-pass launch plan made for it.
+        out_key, kernel_launch: the gradients' metadata and the post-pass kernel launch
+            prepared for it (None: the PyTorch post-pass).
     """
 
     __slots__ = (
         "dq_too",
-        "fallback_plans",
-        "kernel",
+        "fallback_recipes",
+        "kernel_launch",
         "out_key",
         "postpass",
         "span",
@@ -162,9 +163,9 @@ class Decision:
         self.dq_too = dq_too
         self.span = span
         self.unrepairable = unrepairable
-        self.fallback_plans: Dict[fallback.CallFacts, Union[fallback.Plan, str]] = {}
+        self.fallback_recipes: Dict[fallback.CallFacts, Union[fallback.Recipe, str]] = {}
         self.out_key: object = _UNSET
-        self.kernel: Optional[object] = None
+        self.kernel_launch: Optional[object] = None
 
 
 _UNSET = object()
@@ -244,16 +245,16 @@ def _decide(policy: str, dev: Optional[int], picked: tuple) -> Optional[Decision
     return Decision(postpass, dq_too, key_span(mask, window, brd), unrepairable)
 
 
-def _fallback_plan(decision: Decision, call: Mapping[str, Any]) -> Union[fallback.Plan, str]:
-    """The fallback's plan for this call (decided once per :class:`~.fallback.CallFacts`)."""
+def _fallback_recipe(decision: Decision, call: Mapping[str, Any]) -> Union[fallback.Recipe, str]:
+    """The fallback's recipe for this call (decided once per :class:`~.fallback.CallFacts`)."""
     facts = fallback.call_facts(call)
     try:
-        plan = decision.fallback_plans.get(facts)
+        recipe = decision.fallback_recipes.get(facts)
     except TypeError:  # an unhashable argument: decide without the cache
         return fallback.decide(facts)
-    if plan is None:
-        plan = decision.fallback_plans[facts] = fallback.decide(facts)
-    return plan
+    if recipe is None:
+        recipe = decision.fallback_recipes[facts] = fallback.decide(facts)
+    return recipe
 
 
 def _guarded(
@@ -272,10 +273,10 @@ def _guarded(
         log_once(("unrepairable", msg), logging.WARNING, "%s (TE_GQA_FIX_GUARD=warn)", msg)
         return None
     call = sig.bind(args, kwargs)
-    plan = _fallback_plan(decision, call)
-    if isinstance(plan, str):
+    recipe = _fallback_recipe(decision, call)
+    if isinstance(recipe, str):
         raise UnrepairableConfiguration(
-            f"{msg} The exact fallback cannot serve this call: {plan}. To accept TE's wrong "
+            f"{msg} The exact fallback cannot serve this call: {recipe}. To accept TE's wrong "
             "result knowingly instead, set TE_GQA_FIX_GUARD=warn."
         )
     log_once(
@@ -283,11 +284,11 @@ def _guarded(
         "%s te-gqa-fix computes this backward exactly with PyTorch's FlashAttention-2 kernels "
         "instead (slower than a fixed cuDNN; TE_GQA_FIX_CUDNN=auto is the faster remedy)", msg,
     )  # fmt: skip
-    return fallback.run(plan, call)
+    return fallback.run(recipe, call)
 
 
 def _out_key(dq: object, dk: object, dv: object) -> Optional[tuple]:
-    """What a launch plan depends on in the outputs; None for anything but plain tensors."""
+    """What a kernel launch depends on in the outputs; None for anything but plain tensors."""
     T = _Tensor
     if type(dk) is not T or type(dv) is not T or (dq is not None and type(dq) is not T):
         return None
@@ -313,9 +314,13 @@ def _zero_dead_rows(decision: Decision, offsets: tuple, out: Any, validate: str)
             _passthrough(("output", str(exc)), "fused_attn_bwd returned gradients it cannot read (%s)", exc)  # fmt: skip
             return False
         span = decision.span
-        decision.kernel = None if key is None else postpass.kernel_plan(dq, dk, dv, offsets, span)  # type: ignore[arg-type]
+        decision.kernel_launch = (
+            None if key is None else postpass.prepare_kernel(dq, dk, dv, offsets, span)
+        )  # type: ignore[arg-type]
         decision.out_key = key
-    postpass.zero_checked(dq, dk, dv, offsets, decision.span, decision.kernel, validate == "on")  # type: ignore[arg-type]
+    postpass.zero_checked(
+        dq, dk, dv, offsets, decision.span, decision.kernel_launch, validate == "on"
+    )  # type: ignore[arg-type]
     return True
 
 

@@ -192,7 +192,7 @@ def test_pinned_word_is_written_by_triton_directly() -> None:
     offs[3] = torch.tensor([0, 5, 11, 99], dtype=torch.int32, device="cuda")
     word = offset_errors.kernel_flag(dk.device)
     assert word.is_pinned() and word.device.type == "cpu"
-    plan = launch.make_plan(dq, dk, dv, tuple(offs), key_span("padding_causal"))
+    plan = launch.prepare(dq, dk, dv, tuple(offs), key_span("padding_causal"))
     launch.run_kernel(plan, dq, dk, dv, tuple(offs))
     torch.cuda.synchronize()
     assert int(word[0]) == offset_errors.ARGUMENT_BITS["cu_seqlens_kv_padded"]

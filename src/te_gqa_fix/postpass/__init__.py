@@ -1,11 +1,11 @@
 """The post-pass: zero, in place, every dQ/dK/dV row whose true gradient is exactly 0.
 
 On the affected cuDNN builds the damage is on rows whose true gradient is 0, so zeros there
-are exact. :func:`kernel_plan` decides kernel-or-torch; the PyTorch path uses shape-driven
+are exact. :func:`prepare_kernel` decides kernel-or-torch; the PyTorch path uses shape-driven
 device ops only (no ``.item()``, no branch on a tensor value), so it is CUDA-graph safe.
 
 The package is the whole post-pass: this module (the public functions and the PyTorch path),
-:mod:`.kernel` (the Triton kernel), :mod:`.launch` (its launch plans and the one launch
+:mod:`.kernel` (the Triton kernel), :mod:`.launch` (its prepared launches and the one launch
 route) and :mod:`.offset_errors` (the sync-free error channel for impossible offsets).
 """
 
@@ -37,7 +37,7 @@ from . import launch, offset_errors
 __all__ = [
     "DeadRows",
     "dead_row_masks",
-    "kernel_plan",
+    "prepare_kernel",
     "zero_checked",
     "zero_dead_rows",
     "zero_rows_",
@@ -229,17 +229,17 @@ def zero_rows_(t: Optional[object], dead: torch.Tensor, name: str = "tensor") ->
 _broken = False
 
 
-def kernel_plan(
+def prepare_kernel(
     dq: Optional[torch.Tensor], dk: torch.Tensor, dv: torch.Tensor, offsets: tuple, span: KeySpan
-) -> Optional[launch.Plan]:
-    """The one decision between the Triton kernel and PyTorch: a launch plan, or None.
+) -> Optional[launch.KernelLaunch]:
+    """The one decision between the Triton kernel and PyTorch: a prepared launch, or None.
 
     Args:
         dq, dk, dv: the gradients (dq None: dK/dV only); offsets: TE's four offsets.
         span: the mask's key interval rule.
 
     Returns:
-        A :class:`te_gqa_fix.postpass.launch.Plan` where the kernel handles these tensors (CUDA,
+        A :class:`te_gqa_fix.postpass.launch.KernelLaunch` where the kernel handles these tensors (CUDA,
         Triton, plain fp16/bf16/fp32 tensors), else None (why is logged once at DEBUG).
     """
     if _broken or dk.device.type != "cuda" or not launch.available():
@@ -248,7 +248,7 @@ def kernel_plan(
     if why is not None:
         log_once(("no-kernel", why), logging.DEBUG, "te_gqa_fix: PyTorch post-pass for %s", why)
         return None
-    return launch.make_plan(dq, dk, dv, offsets, span)
+    return launch.prepare(dq, dk, dv, offsets, span)
 
 
 def zero_checked(
@@ -257,10 +257,10 @@ def zero_checked(
     dv: torch.Tensor,
     offsets: tuple,
     span: KeySpan,
-    plan: Optional[launch.Plan],
+    kernel_launch: Optional[launch.KernelLaunch],
     validate: bool,
 ) -> None:
-    """The post-pass on checked arguments: the kernel when ``plan`` is given, else PyTorch.
+    """The post-pass on checked arguments: the kernel when ``kernel_launch`` is given, else PyTorch.
 
     First raises what an earlier call on this device recorded (a host read, no sync).
     ``validate`` (``TE_GQA_FIX_VALIDATE=on``) reads the offsets now (a sync) and raises in
@@ -271,9 +271,9 @@ def zero_checked(
     if validate:
         rows_q = None if dq is None else int(shape_of(dq)[0])  # type: ignore[index]
         check_values(rows_q, int(shape_of(dk)[0]), *offsets)  # type: ignore[index]
-    if plan is not None and not _broken:
+    if kernel_launch is not None and not _broken:
         try:
-            launch.run_kernel(plan, dq, dk, dv, offsets)
+            launch.run_kernel(kernel_launch, dq, dk, dv, offsets)
             return
         except Exception as exc:  # compile or launch failure: never leave rows unzeroed
             _broken = True
@@ -333,8 +333,10 @@ def zero_dead_rows(
             check_rows_disjoint(name, data)
         named.append((name, data))
     check_disjoint(named)
-    plan = None if impl == "torch" else kernel_plan(dq, dk, dv, offsets, span)
-    zero_checked(dq, dk, dv, offsets, span, plan, settings.get("TE_GQA_FIX_VALIDATE") == "on")
+    kernel_launch = None if impl == "torch" else prepare_kernel(dq, dk, dv, offsets, span)
+    zero_checked(
+        dq, dk, dv, offsets, span, kernel_launch, settings.get("TE_GQA_FIX_VALIDATE") == "on"
+    )
 
 
 def _zero_with_torch(

@@ -1,6 +1,6 @@
-"""Launch plans for the post-pass kernel, and the one launch route (Triton's own).
+"""Prepared launches of the post-pass kernel, and the one launch route (Triton's own).
 
-A :class:`Plan` holds everything a launch needs that depends only on metadata (grid,
+A :class:`KernelLaunch` holds everything a launch needs that depends only on metadata (grid,
 scalars, compile-time constants), so a caller that caches it per call shape pays for it
 once. Triton is optional: nothing here imports it until :func:`available` is asked.
 """
@@ -17,7 +17,7 @@ from .._logging import log_once
 from ..masks import KeySpan
 from . import kernel, offset_errors
 
-__all__ = ["Plan", "available", "make_plan", "run_kernel", "unsupported"]
+__all__ = ["KernelLaunch", "available", "prepare", "run_kernel", "unsupported"]
 
 #: Rows per unit, and elements per row in one store tile (powers of two).
 BLOCK_T = 32
@@ -70,7 +70,7 @@ def unsupported(
     return None
 
 
-class Plan:
+class KernelLaunch:
     """One launch's metadata-only arguments. ``launchers`` maps the pointers' 16-byte
     alignment (what Triton specializes a pointer on) to the compiled kernel's launcher."""
 
@@ -100,10 +100,10 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def make_plan(
+def prepare(
     dq: Optional[torch.Tensor], dk: torch.Tensor, dv: torch.Tensor, offsets: tuple, span: KeySpan
-) -> Plan:
-    """The plan for these gradients, offsets (valid q/kv, padded q/kv or None) and span.
+) -> KernelLaunch:
+    """The launch for these gradients, offsets (valid q/kv, padded q/kv or None) and span.
 
     Args:
         dq: ``[Tq, Hq, D]`` or None (dK/dV only); dk, dv: ``[Tkv, H, D]``, any strides.
@@ -111,7 +111,7 @@ def make_plan(
         span: the mask's key interval rule (:func:`te_gqa_fix.masks.key_span`).
 
     Returns:
-        A :class:`Plan`, valid for every call with the same metadata.
+        A :class:`KernelLaunch`, valid for every call with the same metadata.
     """
     q_t = dk if dq is None else dq
     nseq = offsets[0].numel() - 1
@@ -159,10 +159,12 @@ def make_plan(
     meta["ONCE"] = not search and meta["OFF_CHUNKS"] == 1
     if dk.device.type == "cuda":
         meta["num_warps"] = NUM_WARPS
-    return Plan((n_prog, 1, 1), scalars, meta, dk.device)
+    return KernelLaunch((n_prog, 1, 1), scalars, meta, dk.device)
 
 
-def _launcher(compiled: Any, plan: Plan, device: torch.device) -> Callable[..., None]:
+def _launcher(
+    compiled: Any, kernel_launch: KernelLaunch, device: torch.device
+) -> Callable[..., None]:
     """A launcher of ``compiled`` taking the seven tensor addresses: Triton's own
     ``CompiledKernel.run`` on the current stream, every other argument bound now.
 
@@ -170,10 +172,10 @@ def _launcher(compiled: Any, plan: Plan, device: torch.device) -> Callable[..., 
     stream lookups through its driver, launch metadata); its launch hooks are not called.
     """
     run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
-    grid_x, grid_y, grid_z = plan.grid
+    grid_x, grid_y, grid_z = kernel_launch.grid
     # The kernel's arguments: seven tensors, the error word, the scalars, then constants.
-    names = kernel.build().arg_names[8 + len(plan.scalars) :]
-    tail = (plan.err_ptr, *plan.scalars, *(plan.meta[n] for n in names))
+    names = kernel.build().arg_names[8 + len(kernel_launch.scalars) :]
+    tail = (kernel_launch.err_ptr, *kernel_launch.scalars, *(kernel_launch.meta[n] for n in names))
     stream = torch._C._cuda_getCurrentRawStream
     index = device.index
 
@@ -196,13 +198,17 @@ def _launcher(compiled: Any, plan: Plan, device: torch.device) -> Callable[..., 
 
 
 def run_kernel(
-    plan: Plan, dq: Optional[torch.Tensor], dk: torch.Tensor, dv: torch.Tensor, offsets: tuple
+    kernel_launch: KernelLaunch,
+    dq: Optional[torch.Tensor],
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    offsets: tuple,
 ) -> None:
     """Zero the dead rows with the kernel, on the current stream; no host sync.
 
     The first launch per pointer alignment goes through ``kernel[grid]`` (which compiles);
-    later ones through :func:`_launcher`, given the addresses: every tensor is on the plan's
-    device (checked when the plan was made; the wrapper's keys hold the devices).
+    later ones through :func:`_launcher`, given the addresses: every tensor is on the kernel_launch's
+    device (checked when the launch was prepared; the wrapper's keys hold the devices).
     """
     cu_q, cu_kv, pad_q, pad_kv = offsets
     cu_q = cu_q if cu_q.is_contiguous() else cu_q.contiguous()
@@ -212,10 +218,12 @@ def run_kernel(
     tensors = (dk if dq is None else dq, dk, dv, cu_q, cu_kv, pad_q, pad_kv)
     ptrs = [t.data_ptr() for t in tensors]
     align = tuple([p % 16 == 0 for p in ptrs])
-    launcher = plan.launchers.get(align)
+    launcher = kernel_launch.launchers.get(align)
     if launcher is not None:
         launcher(*ptrs)
         return
-    compiled = kernel.build()[plan.grid](*tensors, plan.err, *plan.scalars, **plan.meta)
+    compiled = kernel.build()[kernel_launch.grid](
+        *tensors, kernel_launch.err, *kernel_launch.scalars, **kernel_launch.meta
+    )
     if compiled is not None and hasattr(compiled, "function"):  # None under the interpreter
-        plan.launchers[align] = _launcher(compiled, plan, dk.device)
+        kernel_launch.launchers[align] = _launcher(compiled, kernel_launch, dk.device)
