@@ -12,6 +12,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .te_names import OFFSET_NAMES
+
 
 def _parameters(fn: Callable):
     from . import patch
@@ -88,9 +90,11 @@ class ThdBatch:
 
     def offsets(self, device: torch.device | str) -> Dict[str, torch.Tensor]:
         """TE's four offset arguments, as int32 tensors on ``device``."""
-        names = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
         values = (self.cu_q, self.cu_kv, self.pad_q, self.pad_kv)
-        return {n: torch.tensor(v, dtype=torch.int32, device=device) for n, v in zip(names, values)}
+        return {
+            n: torch.tensor(v, dtype=torch.int32, device=device)
+            for n, v in zip(OFFSET_NAMES, values)
+        }
 
     def max_seqlens(self) -> Tuple[int, int]:
         """Max padded segment length, rounded up to 64 (TE's convention for THD)."""

@@ -15,6 +15,7 @@ import torch
 
 from ..masks import check_mask_arguments, key_interval, key_span
 from ..postpass import dead_row_masks
+from ..te_names import OFFSET_NAMES
 from ..validation import check_offsets, check_values
 from . import INTEGER, fallback_coverage
 
@@ -25,7 +26,6 @@ MAX_ROWS = 1 << 22
 #: The largest window side plan takes: like the offsets, int32 (a window of 2**31 - 1 keys
 #: already spans any sequence; far larger ones overflow the post-pass's int64 arithmetic).
 MAX_WINDOW = 2**31 - 1
-_OFFSETS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
 
 #: Each row's code (stable: the JSON output and tests use it) -> the reason it is given.
 _REASONS = {
@@ -189,7 +189,7 @@ def _integer(text: str) -> int:
 def _parse_text(name: str, text: str) -> Any:
     """One command-line value, parsed for field ``name``; errors name the field."""
     try:
-        if name in _OFFSETS or name == "window_size":
+        if name in OFFSET_NAMES or name == "window_size":
             return tuple(_integer(x) for x in text.strip().strip("[]").split(","))
         if name in ("rows_q", "rows_kv"):
             return _integer(text)
@@ -238,7 +238,7 @@ def plan_from_json(text: str) -> PlanInput:
     unknown = sorted(set(data) - set(known))
     if unknown:
         raise ValueError(f"{unknown[0]}: unknown key; expected some of {known}")
-    for name in _OFFSETS[:2]:
+    for name in OFFSET_NAMES[:2]:
         data.setdefault(name, None)  # required: build_plan names it
     if "attn_mask_type" in data and not isinstance(data["attn_mask_type"], str):
         got = json.dumps(data["attn_mask_type"])
@@ -262,7 +262,7 @@ def build_plan(inp: PlanInput) -> Plan:
     """
     offsets = [
         None if getattr(inp, n) is None and i > 1 else _ints(getattr(inp, n), n)
-        for i, n in enumerate(_OFFSETS)
+        for i, n in enumerate(OFFSET_NAMES)
     ]
     _window(inp.window_size)
     check_mask_arguments(inp.attn_mask_type, inp.window_size, inp.bottom_right_diagonal)
@@ -271,7 +271,7 @@ def build_plan(inp: PlanInput) -> Plan:
         given = getattr(inp, name)
         if given is None:  # the buffer ends at the last offset (buffer offsets, else valid)
             j = side + 2 if offsets[side + 2] is not None else side
-            name, given = _OFFSETS[j], max((offsets[j] or (0,))[-1], 0)
+            name, given = OFFSET_NAMES[j], max((offsets[j] or (0,))[-1], 0)
         rows.append(_rows(given, name))
     tensors = [None if o is None else torch.tensor(o, dtype=torch.int32) for o in offsets]
     sizes = dict(rows_q=rows[0], rows_kv=rows[1])
@@ -282,7 +282,7 @@ def build_plan(inp: PlanInput) -> Plan:
     span = key_span(window_size=window, **mask)
     dead = dead_row_masks(*tensors, **sizes, window_size=window, **mask)
     assert dead.q is not None
-    inputs = replace(inp, **dict(zip(_OFFSETS, offsets)), window_size=window, **sizes)
+    inputs = replace(inp, **dict(zip(OFFSET_NAMES, offsets)), window_size=window, **sizes)
     cu_q, cu_kv = offsets[0], offsets[1]
     pad_q, pad_kv = offsets[2] or cu_q, offsets[3] or cu_kv
     kv: Codes = [("before_first", None)] * pad_kv[0]
