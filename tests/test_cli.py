@@ -455,17 +455,6 @@ def test_cudnn_warnings_flag_mixed_sets_and_duplicates() -> None:
     assert doctor.cudnn_library_warnings(clean, (9, 14, 0), (9, 14, 2)) == []
 
 
-def test_resolve_versions_from_the_owning_wheel(tmp_path: Path) -> None:
-    site = tmp_path / "site-packages"
-    lib_dir = site / "nvidia" / "cudnn" / "lib"
-    lib_dir.mkdir(parents=True)
-    (lib_dir / "libcudnn_adv.so.9").write_bytes(b"")
-    (site / "nvidia_cudnn_cu13-9.19.0.56.dist-info").mkdir()
-    libs = cudnn.parse_cudnn_maps(f"7f-7f r-xp 00000000 08:01 1 {lib_dir / 'libcudnn_adv.so.9'}\n")
-    (resolved,) = cudnn.resolve_versions(libs)
-    assert resolved.version == "9.19.0.56" and resolved.source == "nvidia-cudnn wheel"
-
-
 @pytest.mark.parametrize(
     "encoded, expected",
     [(91400, (9, 14, 0)), (91901, (9, 19, 1)), (8907, (8, 9, 7)), (90000, (9, 0, 0)),

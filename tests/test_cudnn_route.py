@@ -63,6 +63,7 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
     decoy = out["fixed"] / "nvidia_cudnn_cu12-9.10.0.dist-info"  # its RECORD: another folder
     decoy.mkdir()
     (decoy / "RECORD").write_text("nvidia/cudnn/lib64/libcudnn.so.9,,\n")
+    (out["fixed"] / "nvidia_cudnn_cu12-9.dist-info").mkdir()  # no dotted version: not a wheel's
     fb.wheel_build(out["newest"], (9, 20, 1), layout="nvidia/cu13/cudnn/lib", how="header")
     fb.wheel_build(out["anon"], (9, 21, 0), how="none")
     fb.system_build(out["system"], (9, 14, 0))
@@ -124,7 +125,7 @@ class _BytesPath(os.PathLike):
          "where: expected 'auto' or a folder path (str or os.PathLike), got NoneType None"),
         (dict(where=123), TypeError, "where: expected 'auto' or a folder path (str or "
          "os.PathLike), got int 123"),
-        (dict(where=b"x" * 77), TypeError, f"got bytes {b'x' * 77!r}"),  # 80 characters: whole
+        (dict(search_path="x" * 78), TypeError, f"single {'x' * 78!r}: wrap"),  # 80: whole
         (dict(where=b"x" * 78), TypeError, f"got bytes {repr(b'x' * 78)[:80]}...(81 chars)"),
         (dict(where=_BytesPath()), TypeError, "got _BytesPath"),
         (dict(where=" "), ValueError, "where: expected 'auto' or a folder path"),
@@ -255,26 +256,33 @@ def test_header_version(tmp_path: Path, text: str, expected: Optional[Tuple[int,
 def test_only_a_default_search_adds_site_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     lib = fb.stub_build(tmp_path / "site" / "nvidia" / "cudnn" / "lib", suffix="9.19.0")
     monkeypatch.setattr(site, "getsitepackages", lambda: [str(tmp_path / "site")])
+    monkeypatch.setattr(sys, "path", [os.fsencode(tmp_path / "site"), *sys.path])  # skipped
     found = [(b.lib_dir, b.version, b.how, b.origin) for b in cudnn.find_wheel_builds()]
     assert (str(lib), (9, 19, 0), "file name", "wheel") in found  # no header, no metadata
     assert cudnn.find_wheel_builds([str(tmp_path)]) == []
 
 
-def test_mapped_versions_from_the_file_name_real_path_or_cudnn_get_version(
+def test_mapped_versions_from_the_file_name_real_path_cudnn_get_version_or_wheel(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Only libcudnn is asked its version (as if loaded); the wheel: test_cli.py."""
+    """Only libcudnn is asked its version (as if loaded); only a library below nvidia/ takes
+    the version of the wheel in the site folder above (here also the working folder)."""
     (tmp_path / "libcudnn_cnn.so.9").symlink_to("libcudnn_cnn.so.9.19")
-    names = ["libcudnn_adv.so.9.14", "libcudnn_cnn.so.9", "libcudnn.so.9", "libcudnn_ops.so.9"]
+    (tmp_path / "nvidia_cudnn_cu13-9.20.0.56.dist-info").mkdir()
+    monkeypatch.chdir(tmp_path)
+    names = ["libcudnn_adv.so.9.14", "libcudnn_cnn.so.9", "libcudnn.so.9", "libcudnn_ops.so.9",
+             "nvidia/cudnn/lib/libcudnn_graph.so.9"]  # fmt: skip
     maps = "".join(f"7f-7f r-xp 0 08:01 1 {tmp_path / n}\n" for n in names)
     monkeypatch.setattr(cudnn, "open", lambda path: io.StringIO(maps), raising=False)
     monkeypatch.setattr(cudnn, "_ctypes_version", lambda path: "9.19.0")
     libs = cudnn.mapped_cudnn_libraries()
     assert [(lib.version, lib.source) for lib in libs] == [
         ("9.14", "file name"), ("9.19", "real path"), ("9.19.0", "cudnnGetVersion"),
-        ("9", "file name"),
+        ("9", "file name"), ("9.20.0.56", "nvidia-cudnn wheel"),
     ]  # fmt: skip
-    assert len(set(libs)) == 4  # frozen, so hashable
+    assert len(set(libs)) == 5  # frozen, so hashable
+    monkeypatch.setattr(cudnn, "open", lambda path: open(tmp_path / "none"), raising=False)
+    assert cudnn.mapped_cudnn_libraries() is None  # maps unreadable
 
 
 @pytest.mark.parametrize(

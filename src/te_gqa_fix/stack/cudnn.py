@@ -92,7 +92,7 @@ class CudnnBuild:
 
     @property
     def fixed(self) -> bool:
-        return self.version is not None and CUDNN_FIXED <= tuple(self.version[:3]) < (10,)
+        return self.version is not None and CUDNN_FIXED <= self.version < (10,)
 
     @property
     def version_str(self) -> str:
@@ -238,7 +238,7 @@ def find_wheel_builds(search_path: Optional[Sequence[str]] = None) -> List[Cudnn
             owner = _wheel_owner(site_dir, lib_dir)
             version, how = _header_version(lib_dir), "header"
             if version is None and owner is not None:
-                version, how = owner[1][:3], "wheel metadata"
+                version, how = owner[1], "wheel metadata"
             if version is None:
                 version, how = _file_name_version(lib_dir), "file name"
             builds.append(_build(lib_dir, version, "wheel", how, owner and owner[0]))
@@ -300,9 +300,10 @@ def parse_cudnn_maps(text: str) -> List[CudnnLibrary]:
 
 
 def _ctypes_version(path: str) -> Optional[str]:
-    """``cudnnGetVersion`` of an already loaded ``libcudnn.so*`` (never loads a new one)."""
+    """``cudnnGetVersion`` of an already loaded ``libcudnn.so*``; never loads a new one (None
+    where the platform has no ``RTLD_NOLOAD``)."""
     try:
-        mode = getattr(os, "RTLD_NOLOAD", 0) | getattr(os, "RTLD_LAZY", 1)
+        mode = os.RTLD_NOLOAD | os.RTLD_LAZY
         fn = ctypes.CDLL(path, mode=mode).cudnnGetVersion
         fn.restype = ctypes.c_size_t
         return version_str(decode_cudnn_version(int(fn())))
@@ -513,18 +514,16 @@ def _check_loaded(build: CudnnBuild, files: Sequence[str]) -> CudnnBuild:
     """``build`` with the version the loaded ``libcudnn.so.9`` reports; ``CudnnRefused``
     (saying it is loaded now) when that is unknown, differs from what was read on disk, or
     is not fixed."""
-    found = version_tuple(_ctypes_version(files[-1]))
+    found = version_tuple(_ctypes_version(files[-1]))  # (major, minor, patch) or None
     loaded = f"it is loaded in this process now, so start a new process without {ENV_CUDNN}"
     if found is None:
         raise CudnnRefused(f"te_gqa_fix: cudnnGetVersion of {files[-1]} failed; {loaded}")
-    if build.version is not None and tuple(found[:3]) != build.version:
+    if build.version is not None and found != build.version:
         raise CudnnRefused(
-            f"te_gqa_fix: {files[-1]} reports cuDNN {version_str(found[:3])}, not the "
+            f"te_gqa_fix: {files[-1]} reports cuDNN {version_str(found)}, not the "
             f"{build.version_str} its {build.how} names; {loaded}"
         )
-    build = replace(
-        build, version=tuple(found[:3]), how=build.how if build.version else "cudnnGetVersion"
-    )
+    build = replace(build, version=found, how=build.how if build.version else "cudnnGetVersion")
     if not build.fixed:
         raise CudnnRefused(f"{_not_fixed(build)} (learned by loading it); {loaded}")
     return build
@@ -619,7 +618,7 @@ def te_cudnn_version() -> Optional[Tuple[int, int, int]]:
     try:
         from transformer_engine.pytorch.utils import get_cudnn_version
 
-        return tuple(int(x) for x in get_cudnn_version())[:3]  # type: ignore[return-value]
+        return tuple(int(x) for x in get_cudnn_version())  # type: ignore[return-value]
     except Exception:
         return None
 
@@ -638,7 +637,7 @@ def verify_te_cudnn() -> Optional[bool]:
         return None
     te = te_cudnn_version()
     _route["te_cudnn"] = version_str(te)
-    ok = _route["verified"] = te is not None and te == (chosen.version or ())[:3]
+    ok = _route["verified"] = te is not None and te == chosen.version
     if not ok:
         msg = (
             f"te_gqa_fix: {ENV_CUDNN} loaded cuDNN {chosen.version_str} from {chosen.lib_dir}, "
