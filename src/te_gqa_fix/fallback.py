@@ -147,9 +147,8 @@ def call_facts(call: Mapping[str, Any]) -> CallFacts:
     aux = get("aux_ctx_tensors")
     stats = aux[0] if isinstance(aux, (list, tuple)) and aux else None
     window = get("window_size")
-    q = get("q")
     return CallFacts(
-        q=_meta(q),
+        q=_meta(get("q")),
         k=_meta(get("k")),
         v=_meta(get("v")),
         d_o=_meta(get("d_o")),
@@ -168,7 +167,7 @@ def call_facts(call: Mapping[str, Any]) -> CallFacts:
         dqkv_layout=get("dqkv_layout", get("qkv_layout")),
         o_format=get("o_format", "thd"),
         do_format=get("do_format", "thd"),
-        fake_dtype=get("fake_dtype", q.dtype if type(q) is torch.Tensor else None),
+        fake_dtype=get("fake_dtype"),  # a required argument of every TE release
         dqkv_dtype=get("dqkv_dtype"),
         attn_mask_type=get("attn_mask_type", "padding"),
         window_size=tuple(window) if type(window) is list else window,
@@ -204,7 +203,7 @@ def _mask_reason(f: CallFacts) -> Union[str, Tuple[Tuple[int, int], bool]]:
     if (left, right) == (-1, -1) or bottom_right or f.one_offsets:
         return (left, right), False
     if (left, right) == (-1, 0):
-        return (-1, 0), True
+        return (left, right), True
     return f"top-left window_size={f.window_size!r} across two offset tensors (q, kv)"
 
 
@@ -271,7 +270,7 @@ def decide(f: CallFacts) -> Union[Recipe, str]:
     Returns:
         A :class:`Recipe`, or the reason (naming the argument or the limit) it is declined.
     """
-    if f.dropout not in (None, 0, 0.0):
+    if f.dropout not in (None, 0.0):  # 0 and False too (== 0.0)
         return f"dropout={f.dropout!r} (cuDNN's dropout mask cannot be replayed)"
     for name, value, want in (
         ("attn_bias_type", f.attn_bias_type, "no_bias"),
