@@ -367,8 +367,10 @@ def test_the_preload_runs_once_then_removes_its_hook(
         if how == "the hook's trigger":
             monkeypatch.setattr(boot.CudnnPreloadHook, "TRIGGERS", ("a_module_not_imported",))
             boot.activate()
-            assert boot._hooks(boot._CUDNN_MARKER) and cudnn.route_state()["setting"] is None
-            assert boot._hooks(boot._CUDNN_MARKER)[0].find_spec("a_module_not_imported") is None
+            (preload,) = boot._hooks(boot._CUDNN_MARKER)
+            assert preload.find_spec("json") is None and boot._hooks(boot._CUDNN_MARKER)
+            assert cudnn.route_state()["setting"] is None  # json is no trigger
+            assert preload.find_spec("a_module_not_imported") is None
         else:
             boot.activate()
     assert "expected a folder holding libcudnn.so.9" in cudnn.route_state()["error"]
@@ -418,7 +420,8 @@ def test_hook_ignores_other_imports_and_can_be_disabled(
     assert f"cannot hook the loader of {TE}" in caplog.text
     assert boot.disable() is True
     assert not boot.is_enabled()
-    assert boot.disable() is False
+    before = sys.meta_path
+    assert boot.disable() is False and sys.meta_path is before  # nothing to take off: untouched
 
 
 @pytest.mark.parametrize("folder", ["site-packages", "dist-packages"])
