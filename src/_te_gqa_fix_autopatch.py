@@ -66,7 +66,7 @@ class TEImportHook:
     the cuDNN route and installs the fix. It never provides a module: it wraps the loader of
     the spec the finders behind it return."""
 
-    def __init__(self, strict: bool = False, patch: bool = True) -> None:
+    def __init__(self, strict: bool, patch: bool) -> None:
         self.strict = strict
         self.patch = patch
         setattr(self, _MARKER, True)
@@ -169,10 +169,9 @@ class CudnnPreloadHook:
         self.setting = setting
         setattr(self, _CUDNN_MARKER, True)
 
-    def find_spec(self, fullname, path=None, target=None):
+    def find_spec(self, fullname, path=None, target=None):  # returns None: no spec
         if fullname in self.TRIGGERS:
             preload_cudnn(self.setting)
-        return None
 
 
 def preload_cudnn(setting: str) -> None:

@@ -333,7 +333,7 @@ def test_the_preload_hook_leaves_the_finders_behind_it_their_turn(
     monkeypatch.setattr(boot, "preload_cudnn", lambda setting: boot._remove(boot._CUDNN_MARKER))
     boot.activate()
     boot.activate()
-    assert len(boot._hooks(boot._CUDNN_MARKER)) == 1
+    assert len(boot._hooks(boot._CUDNN_MARKER)) == 1 and boot.state()["cudnn_route"] is True
     # ahead of every finder; the route's import hook checks the route and never patches
     assert sys.meta_path[:2] == boot._hooks() + boot._hooks(boot._CUDNN_MARKER)
     assert boot._hooks()[0].patch is False
@@ -368,8 +368,10 @@ def test_the_preload_runs_once_then_removes_its_hook(
         if how == "the hook's trigger":
             monkeypatch.setattr(boot.CudnnPreloadHook, "TRIGGERS", ("a_module_not_imported",))
             boot.activate()
-            assert boot._hooks(boot._CUDNN_MARKER) and cudnn.route_state()["setting"] is None
-            assert boot._hooks(boot._CUDNN_MARKER)[0].find_spec("a_module_not_imported") is None
+            (preload,) = boot._hooks(boot._CUDNN_MARKER)
+            assert preload.find_spec("json") is None and boot._hooks(boot._CUDNN_MARKER)
+            assert cudnn.route_state()["setting"] is None  # json is no trigger
+            assert preload.find_spec("a_module_not_imported") is None
         else:
             boot.activate()
     assert "expected a folder holding libcudnn.so.9" in cudnn.route_state()["error"]
@@ -404,22 +406,22 @@ def test_pth_line_reads_two_variables_and_their_off_values() -> None:
 def test_hook_ignores_other_imports_and_can_be_disabled(
     hook, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """One hook however often enabled: test_activation_is_idempotent."""
     assert not boot.is_enabled()
     boot.enable()
-    boot.enable()
-    hooks = [f for f in sys.meta_path if getattr(f, "__te_gqa_fix_import_hook__", False)]
-    assert len(hooks) == 1 and sys.meta_path[0] is hooks[0]
-    assert hooks[0].find_spec("json") is None
-    assert hooks[0].find_spec("transformer_engine") is None
-    assert hooks[0].find_spec(TE, [str(tmp_path)]) is None  # no finder behind has it
+    (ours,) = boot._hooks()
+    assert ours.find_spec("json") is None and ours.find_spec("transformer_engine") is None
+    assert ours.find_spec(TE, [str(tmp_path)]) is None  # no finder behind has it
     spec = importlib.machinery.ModuleSpec(TE, types.SimpleNamespace())  # no exec_module
     sys.meta_path.append(types.SimpleNamespace(find_spec=lambda *a: spec))
     with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
-        assert hooks[0].find_spec(TE) is spec
+        assert ours.find_spec(TE) is spec
     assert f"cannot hook the loader of {TE}" in caplog.text
+    other = sys.meta_path[-1]
     assert boot.disable() is True
-    assert not boot.is_enabled()
-    assert boot.disable() is False
+    assert not boot.is_enabled() and other in sys.meta_path  # only ours taken off
+    before = sys.meta_path
+    assert boot.disable() is False and sys.meta_path is before  # nothing to take off: untouched
 
 
 @pytest.mark.parametrize("folder", ["site-packages", "dist-packages"])

@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
 import te_gqa_fix
@@ -98,17 +99,23 @@ def _inference(a: Dict[str, Any]) -> torch.Tensor:
         return torch.randn(a["dv"].shape)
 
 
-def _overlapping_heads(a: Dict[str, Any]) -> None:
-    buf = torch.randn(10, 3, 2)
-    a["dk"], a["dv"] = buf[:, 1:3], buf[:, 0:2]  # dv first in memory
+def _views(shape: Tuple[int, ...], pick: Callable[[torch.Tensor], Dict[str, Any]]) -> Edit:
+    """Gradients picked from one new buffer of ``shape`` (the others stay separate)."""
+    return lambda g: g.update(pick(torch.randn(shape)))
 
 
-def _dq_over_dk(a: Dict[str, Any]) -> None:
-    buf = torch.randn(10, 6, 2)
-    a["dq"], a["dk"], a["dv"] = buf[:5, 0:4], buf[:, 3:5], torch.randn(10, 2, 2)
+def _interleaved(n: int) -> Edit:
+    """dq's n heads on even elements, dk's n-wide head dim on odd ones of one buffer: no
+    element shared, but telling so walks n steps of the overlap search."""
+    return _views((20 * n + 1,), lambda b: dict(
+        dq=b.as_strided((5, n, 1), (2 * n, 2, 1)), dk=b.as_strided((10, 1, n), (2 * n, 1, 2), 1),
+        dv=torch.randn(10, 1, n)))  # fmt: skip
 
 
 _BASE = torch.randn(120)
+_ONE = torch.randn(1).as_strided((1, 1, 1), (0, 0, 0))  # one element, every stride 0
+with FakeTensorMode():  # offsets on a device without data here: no GPU needed
+    _CUDA_OFFSETS = torch.empty(4, dtype=I32, device="cuda")
 _RANGE = "expected a non-negative int, at most 2**31 - 1 (TE's int32 offsets)"
 #: Bad input shared by zero_dead_rows and dead_row_masks (the same gate: the same error).
 SHARED = {
@@ -190,13 +197,25 @@ ZERO_DEAD_ROWS = {
     "numpy_dk": (_set(dk=lambda a: a["dk"].numpy()), ValueError,
                  "dk: expected a torch.Tensor of shape [tokens, heads, head_dim], got ndarray"),
     "numpy_dq": (_set(dq=lambda a: a["dq"].numpy()), ValueError, "dq: expected a torch.Tensor"),
-    "rows_expanded": (_set(dk=torch.randn(1, 2, 2).expand(10, 2, 2)), ValueError,
-                      "dk: expected token rows that do not share memory"),
-    "rows_overlap": (_set(dv=torch.randn(40).as_strided((10, 2, 2), (2, 2, 1))), ValueError,
-                     "dv: expected token rows that do not share memory"),
-    "dv_is_dk": (_set(dv=lambda a: a["dk"]), ValueError, "dv: expected memory separate from dk's"),
-    "dk_dv_overlap": (_overlapping_heads, ValueError, "dv: expected memory separate from dk's"),
-    "dq_dk_overlap": (_dq_over_dk, ValueError, "dk: expected memory separate from dq's"),
+    "dq_no_heads": (_set(dq=torch.randn(5, 0, 2)), ValueError,
+                    "dk: expected a number of KV heads that divides the query heads (0), got 2"),
+    "rows_expanded": (_set(cu_seqlens_q=_t([0, 1, 1, 2]), dq=torch.randn(1, 4, 2).expand(2, 4, 2)),
+                      ValueError, "dq: expected token rows that do not share memory"),
+    "rows_overlap": (_set(dk=torch.randn(10, 1, 2), dv=torch.randn(40).as_strided((10, 1, 2), (2, 1, 2))),
+                     ValueError, "dv: expected token rows that do not share memory"),
+    "dv_is_dk": (_set(cu_seqlens_kv=_t([0, 1, 1, 1]), cu_seqlens_kv_padded=None, dk=_ONE, dv=_ONE),
+                 ValueError, "dv: expected memory separate from dk's"),
+    "dv_shifted_right": (_views((10, 2, 3), lambda b: dict(dk=b[..., :2], dv=b[..., 1:])),
+                         ValueError, "dv: expected memory separate from dk's"),
+    "dv_shifted_left": (_views((10, 2, 3), lambda b: dict(dk=b[..., 1:], dv=b[..., :2])),
+                        ValueError, "dv: expected memory separate from dk's"),
+    "dq_dk_overlap": (_views((10, 6, 2), lambda b: dict(dq=b[:5, :4], dk=b[:, 3:5])), ValueError,
+                      "dk: expected memory separate from dq's"),
+    "dq_dk_column": (_views((10, 4, 2), lambda b: dict(dq=b[:5, :, :1], dk=b[:, :1],
+                                                       dv=torch.randn(10, 1, 2))),
+                     ValueError, "dk: expected memory separate from dq's"),  # one column
+    # Past 4096 search steps (test_zero_dead_rows_zeroes_what_torch_can_write: 4096 pass).
+    "dq_dk_interleaved_4097": (_interleaved(4097), ValueError, "dk: expected memory separate"),
     # Overlaps only an exact range test, the stride check or the dtype check catches.
     "dv_shares_one_element": (_set(dk=_BASE[:40].view(10, 2, 2),
                                    dv=_BASE.as_strided((10, 2, 2), (4, 1, 2), 39)),
@@ -229,14 +248,17 @@ ZERO_DEAD_ROWS = {
 }  # fmt: skip
 
 
+_GRADS = ("dq", "dk", "dv")
+
+
 def _good_call() -> Dict[str, Any]:
-    return dict(zip(("dq", "dk", "dv"), _grads()), **OFFS)
+    return dict(zip(_GRADS, _grads()), **OFFS)
 
 
 def _snapshot(a: Dict[str, Any]) -> List[torch.Tensor]:
     """The bits of every gradient's memory (subclasses and FP8 through their data)."""
     out = []
-    for name in ("dq", "dk", "dv"):
+    for name in _GRADS:
         t = a[name]
         t = getattr(t, "_data", t)
         if isinstance(t, torch.Tensor) and t.layout is torch.strided and t.device != META:
@@ -262,6 +284,8 @@ DEAD_ROW_MASKS = {
     **{f"{name}={rows!r}": (_set(**{name: rows}), ValueError, f"{name}: {_RANGE}, got {rows!r}")
        for name in ("rows_q", "rows_kv") for rows in (-1, 2.5, True, "10", 2**31, 10**13)},
     "rows_kv=None": (_set(rows_kv=None), ValueError, f"rows_kv: {_RANGE}, got None"),
+    "kv_other_device": (_set(cu_seqlens_kv=_CUDA_OFFSETS), ValueError,
+                        "cu_seqlens_kv: expected it on the attention tensors' device cpu, got cuda"),
 }  # fmt: skip
 
 
@@ -305,11 +329,6 @@ def test_check_offset_errors_on_cuda_without_a_cuda_call_is_quiet() -> None:
 # ------------------------------------------------------------- what the public API zeroes
 
 
-def _views(shape: Tuple[int, ...], pick: Callable[[torch.Tensor], Dict[str, Any]]) -> Edit:
-    """Gradients picked from one new buffer of ``shape`` (the others stay separate)."""
-    return lambda g: g.update(pick(torch.randn(shape)))
-
-
 class _Plain(torch.Tensor):
     """A subclass that behaves as a tensor (as Megatron's and others' wrappers do)."""
 
@@ -317,7 +336,6 @@ class _Plain(torch.Tensor):
 NONE, NO_GRAD, INFERENCE = contextlib.nullcontext, torch.no_grad, torch.inference_mode
 #: name -> (edit of the gradients, the context to call in)
 ACCEPTED = {
-    "t2hd": (_views((10, 2, 2, 2), lambda b: dict(dk=b[:, 0], dv=b[:, 1])), NONE),
     "t2hd_long": (_views((5000, 2, 2, 2), lambda b: dict(dk=b[:, 0], dv=b[:, 1])), NONE),
     "th2d": (_views((10, 2, 2, 2), lambda b: dict(dk=b[:, :, 0], dv=b[:, :, 1])), NONE),
     "t3hd": (_views((10, 3, 2, 2), lambda b: dict(dq=b[:5, 0], dk=b[:, 1], dv=b[:, 2])), NONE),
@@ -325,9 +343,19 @@ ACCEPTED = {
                                                    dv=b[:, :, 2])), NONE),
     "heads_of_one_buffer": (_views((10, 8, 2), lambda b: dict(dq=b[:5, :4], dk=b[:, 4:6],
                                                               dv=b[:, 6:])), NONE),
-    "adjacent": (_views((20, 2, 2), lambda b: dict(dk=b[:10], dv=b[10:].transpose(1, 2))), NONE),
-    "transposed": (_set(dk=torch.randn(10, 2, 2).transpose(1, 2)), NONE),
-    "heads_major": (_set(dv=torch.randn(2, 10, 2).transpose(0, 1)), NONE),  # rows interleave
+    "adjacent": (_views((30, 2, 2), lambda b: dict(dk=b[:10].transpose(1, 2),
+                                                   dq=b[10:20].view(5, 4, 2), dv=b[20:])), NONE),
+    "heads_major_long": (_views((2, 2, 5000, 2), lambda b: dict(dk=b[:, 0].transpose(0, 1),
+                                                                dv=b[:, 1].transpose(0, 1))), NONE),
+    "mixed_live_dims": (_views((10, 4, 3), lambda b: dict(dq=b[:5, :, 2:3], dk=b[:, :1, :2],
+                                                          dv=b[:, 1:2, :2])), NONE),
+    "interleaved_4096": (_interleaved(4096), NONE),
+    "empty_dq": (_set(cu_seqlens_q=_t([0, 0, 0, 0]), dq=torch.empty(0, 4, 2).as_strided(
+        (0, 4, 2), (8, 2**45, 1))), NONE),  # no address, but a byte range over all others
+    "one_row_overlapping_heads": (_set(cu_seqlens_q=_t([0, 1, 1, 1]),
+                                       dq=torch.randn(8).as_strided((1, 4, 2), (8, 1, 1))), NONE),
+    "size_one_dim_any_stride": (_set(dk=torch.randn(40).as_strided((10, 1, 3), (4, 2, 1)),
+                                     dv=torch.randn(10, 1, 3), dq=torch.randn(5, 1, 3)), NONE),
     "expanded_heads": (_set(dk=torch.randn(10, 1, 2).expand(10, 2, 2),
                             dq=torch.randn(5, 4, 1).expand(5, 4, 2)), NONE),
     "subclass": (_set(dk=lambda g: g["dk"].as_subclass(_Plain)), NONE),
@@ -347,16 +375,17 @@ def _plain(t: Any) -> torch.Tensor:
 def test_zero_dead_rows_zeroes_what_torch_can_write(case: str) -> None:
     """Each accepted form gets exactly the rows plain contiguous copies get."""
     edit, context = ACCEPTED[case]
-    g = dict(zip(("dq", "dk", "dv"), _grads()))
+    g = _good_call()
     edit(g)
-    want = {name: _plain(t).clone(memory_format=torch.contiguous_format) for name, t in g.items()}
-    zero_dead_rows(*want.values(), **OFFS)
+    want = {n: _plain(g[n]).clone(memory_format=torch.contiguous_format) for n in _GRADS}
+    zero_dead_rows(**{**g, **want})
     with context(), warnings.catch_warnings():
         warnings.simplefilter("error")  # e.g. torch's "masked_fill_ on expanded tensors"
-        zero_dead_rows(*g.values(), **OFFS)
-    for name, t in g.items():
-        assert torch.equal(bits(_plain(t)), bits(want[name])), name
-    assert bool((want["dk"][0] == 0).all()) and bool((want["dk"][1] != 0).any())
+        zero_dead_rows(**g)
+    for name in _GRADS:
+        assert torch.equal(bits(_plain(g[name])), bits(want[name])), name
+    kept = g["cu_seqlens_q"][-1] == 0 or bool((want["dk"][1] != 0).any())  # no queries: none
+    assert bool((want["dk"][0] == 0).all()) and kept
 
 
 # ------------------------------------------------------------- impossible offsets, later

@@ -21,7 +21,7 @@ import torch
 import _te_gqa_fix_autopatch as boot
 from fakes.oracle import make_ragged
 from fakes.te_outputs import FakeTE, call_arguments
-from te_gqa_fix import autopatch, settings, zero_dead_rows
+from te_gqa_fix import autopatch, settings, validation, zero_dead_rows
 from te_gqa_fix import wrapper as wrapper_module
 from te_gqa_fix.cli import doctor, report
 from te_gqa_fix.settings import SETTINGS, SettingError
@@ -64,7 +64,7 @@ def test_accepted_values(
     assert value == expected
 
 
-@pytest.mark.parametrize("module", [settings, cudnn, autopatch])
+@pytest.mark.parametrize("module", [settings, cudnn, autopatch, validation])
 def test_every_exported_name_exists(module) -> None:
     assert module.__all__ and all(hasattr(module, n) for n in module.__all__)
 

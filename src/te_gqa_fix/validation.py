@@ -77,16 +77,15 @@ def check_offsets(
     rows_q: object = None,
     rows_kv: object = None,
     device: Optional[torch.device] = None,
-) -> int:
+) -> None:
     """Check TE's four offset arguments' metadata (no sync); raise ``ValueError`` naming one.
+
+    The four must have one length (batch size + 1) and one device.
 
     Args:
         cu_seqlens_q, cu_seqlens_kv: valid offsets; ``*_padded``: buffer offsets or None.
         rows_q, rows_kv: the buffers' row counts, when given: non-negative ints.
         device: the device they must be on (default: ``cu_seqlens_q``'s).
-
-    Returns:
-        The number of offsets (batch size + 1), the same for all four.
     """
     cu_q = _offsets("cu_seqlens_q", cu_seqlens_q, device)
     device = cu_q.device if device is None else device
@@ -103,7 +102,6 @@ def check_offsets(
     for name, rows in (("rows_q", rows_q), ("rows_kv", rows_kv)):
         if rows is not None:
             check_rows(name, rows)
-    return n
 
 
 def check_rows(name: str, rows: object) -> int:
@@ -119,16 +117,9 @@ def check_rows(name: str, rows: object) -> int:
 def shape_of(t: object) -> Optional[tuple]:
     """The logical shape of a tensor, or of a TE FP8 storage (``size()`` but no ``shape``)."""
     shape = getattr(t, "shape", None)
-    if shape is None:
-        size = getattr(t, "size", None)
-        if callable(size):
-            try:
-                shape = size()
-            except Exception:  # a storage without data: shape unknown
-                shape = None
     try:
-        return None if shape is None else tuple(shape)
-    except TypeError:
+        return tuple(t.size() if shape is None else shape)  # type: ignore[attr-defined]
+    except Exception:  # no size(), a storage without data, a shape that is no sequence
         return None
 
 
@@ -198,18 +189,17 @@ def check_metadata(
         )
 
 
-def check_rows_disjoint(name: str, t: object) -> None:
+def check_rows_disjoint(name: str, t: torch.Tensor) -> None:
     """Raise ``ValueError`` when two token rows of ``t`` share memory (zeroing one would zero
     the other).
 
     Zero-stride inner dims are ignored: a tensor expanded along heads or head_dim repeats
     each row's own memory, and rows are zeroed whole, so zeroing a row zeroes it for every
     head at once, which is exact. The other dims of size > 1, sorted by stride, must each
-    reach past what the smaller ones span (packed views like ``buf[:, 0]`` pass).
+    reach past what the smaller ones span (packed views like ``buf[:, 0]`` pass). A single
+    row shares memory with no other row, whatever its inner layout.
     """
-    if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] <= 1:
-        return
-    if t.is_contiguous():
+    if t.shape[0] <= 1 or t.is_contiguous():  # contiguous: the rule below passes it too
         return
     dims = sorted(
         (abs(st), n)
@@ -276,8 +266,9 @@ def _lattice_meets(delta: int, dims: list, budget: list) -> bool:
 
 
 def _may_share(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether an element of ``a`` and one of ``b`` can be the same memory (metadata only)."""
-    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+    """Whether an element of ``a`` and one of ``b`` (on one device) can be the same memory
+    (metadata only)."""
+    if a.numel() == 0 or b.numel() == 0:
         return False
     (a0, a1), (b0, b1) = _byte_range(a), _byte_range(b)
     if a1 <= b0 or b1 <= a0:
@@ -311,7 +302,9 @@ def check_disjoint(tensors: Sequence[tuple[str, Optional[torch.Tensor]]]) -> Non
     packings: ``buf[:, 0]``/``buf[:, 1]`` of ``[t, 2, h, d]`` (``thd_t2hd``, ``t3hd``) and
     ``buf[:, :, 0]``/``buf[:, :, 1]`` of ``[t, h, 2, d]`` (``thd_th2d``, ``th3d``), and
     head slices of one ``[t, h, d]`` buffer. Anything else whose ranges overlap (other
-    strides or dtypes) is refused, though it may not alias: pass separate buffers then.
+    strides or dtypes) is refused, though it may not alias: pass separate buffers then; so
+    is a pair whose check would take more than 4096 steps. The tensors share one device
+    (:func:`check_metadata` checked that).
     """
     present = [(name, t) for name, t in tensors if t is not None]
     for i, (name_a, a) in enumerate(present):
