@@ -231,7 +231,7 @@ def test_unknown_layout_passed_through_and_logged_once(
     assert len(records) == 1, [r.getMessage() for r in caplog.records]
     assert records[0].levelno == logging.WARNING
     assert layout_arg in records[0].getMessage()
-    assert te_gqa_fix.call_counts()["passthrough"] == 3
+    assert te_gqa_fix.call_counts()["passthrough"] == 3 == len(fake.backend.calls)
 
 
 def test_unbindable_signature_passed_through_and_logged_once(
@@ -289,13 +289,3 @@ def test_fp8_with_live_transpose_passes_through_with_one_warning(
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
     assert "passed through" in warnings[0].getMessage()
-
-
-def test_wrapper_zeroes_in_place_without_copying_outputs() -> None:
-    # The post-pass writes into TE's buffers (a copy would be lost on the caller's side).
-    fake = FakeTE("2.20")
-    wrapped = wrapper_for(fake.fn)
-    out = wrapped(**call_arguments("2.20", RAGGED, layout="thd_t2hd"))
-    buf, _ = fake.backend.outputs["dkv"]
-    assert out[1]._base is buf and out[2]._base is buf
-    assert out[1].data_ptr() == buf[:, 0].data_ptr()

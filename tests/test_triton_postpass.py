@@ -20,6 +20,7 @@ batches, plus no host sync and CUDA-graph capture); they skip cleanly without CU
 from __future__ import annotations
 
 import importlib.util
+import logging
 import random
 import sys
 from contextlib import contextmanager
@@ -241,14 +242,14 @@ def run_case(case: Dict[str, Any], device: str) -> None:
             assert_rows(t.cpu(), b, keep, f"{name} case={case}")
 
 
-# Fixed cases: the seed script's shape, and a context-parallel step with q-empty sequences
-# and a kv-empty one.
+# Fixed cases: the seed script's shape, rows wider than one shipped column tile, and a
+# context-parallel step with q-empty sequences and a kv-empty one.
 SEED_CASE = dict(
     lq=[0, 3], lk=[3, 6], padded=True, gaps_q=[4, 5], gaps_kv=[1, 2], lead=0, tail_q=0,
     tail_kv=0, layout="separate", h_q=2, h_kv=1, d=8, d_v=8, with_q=True,
     dtype=torch.float16, mask="padding_causal", window=(-1, -1), bottom_right=None, seed=1,
 )  # fmt: skip
-WIDE_CASE = dict(SEED_CASE, layout="th2d", h_q=4, h_kv=2, d=16, d_v=16, mask="padding")
+WIDE_CASE = dict(SEED_CASE, layout="th2d", h_q=4, h_kv=2, d=64, d_v=64, mask="padding")
 CP_CASE = dict(
     lq=[3, 0, 5, 1, 0, 4], lk=[6, 4, 10, 0, 3, 8], padded=True, gaps_q=[1, 2, 1, 1, 2, 0],
     gaps_kv=[0, 0, 0, 0, 2, 0], lead=0, tail_q=5, tail_kv=3, layout="t2hd", h_q=4, h_kv=2,
@@ -256,12 +257,13 @@ CP_CASE = dict(
     window=(-1, -1), bottom_right=None, seed=2,
 )  # fmt: skip
 
-# Mask arguments: both diagonals, windows on each side, an explicit flag, the conservative set.
+# Mask arguments: both diagonals, windows on each side (0: up to the diagonal), an explicit
+# flag, the conservative set.
 FIXED_MASKS = (
     ("padding_causal", (-1, -1), None),
     ("padding_causal_bottom_right", (-1, -1), None),
     ("padding_causal_bottom_right", (3, 0), None),
-    ("padding", (2, 1), True),
+    ("padding", (0, 1), True),
     ("padding", (1, 3), False),
     ("causal", (-1, -1), True),
     ("arbitrary", (-1, -1), None),
@@ -306,7 +308,8 @@ def check_fixed(device: str, grid: Iterator[Dict[str, Any]]) -> None:
     little). Seed batch: seq 0 (rows 0-3) has no queries; seq 1 has lq 3, lk 6 at rows 4-11."""
     for case in (SEED_CASE, WIDE_CASE, CP_CASE, *grid):
         run_case(case, device)
-    cu_q, cu_kv, pad = (torch.tensor(x, dtype=torch.int32, device=device)
+    # Offsets as strided views (every other element): the launch reads them contiguous.
+    cu_q, cu_kv, pad = (torch.tensor(x, dtype=torch.int32, device=device).repeat_interleave(2)[::2]
                         for x in ([0, 0, 3], [0, 3, 9], [0, 4, 12]))  # fmt: skip
     for mask, n_live in {"padding_causal": 3, "padding_causal_bottom_right": 6}.items():
         _, dq, dk, dv = _buffers(SEED_CASE, 12, 12, device)
@@ -557,7 +560,7 @@ def _check_cpu_imports_no_triton_or_te() -> None:
     import te_gqa_fix.wrapper
 
     assert callable(te_gqa_fix.fused_attn_bwd) and callable(te_gqa_fix.install)
-    assert te_gqa_fix.is_installed() is False
+    assert te_gqa_fix.is_installed() is False and not any(te_gqa_fix.call_counts().values())
     offs = torch.tensor([0, 2, 5], dtype=torch.int32)
     for impl in ("auto", "triton"):
         zero_dead_rows(None, torch.ones(5, 1, 2), torch.ones(5, 1, 2), offs, offs, impl=impl)
@@ -600,16 +603,30 @@ def test_interpreted_kernel(check: str, interpreter_results: Dict[str, dict]) ->
     assert result["ok"], f"{check} failed under the interpreter:\n{result['error']}"
 
 
-def test_available_matches_environment() -> None:
-    try:
-        import triton  # noqa: F401
+@pytest.mark.parametrize("cuda, builds", [(False, True), (True, True), (True, False)])
+def test_available_is_cuda_and_a_triton_that_builds(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, cuda: bool, builds: bool
+) -> None:
+    """True with CUDA where Triton builds the kernel; False without CUDA (no build asked) or
+    where the build raises anything (logged): the PyTorch post-pass. Decided once."""
+    built: List[int] = []
 
-        has_triton = True
-    except ImportError:
-        has_triton = False
-    expected = torch.cuda.is_available() and has_triton
-    assert launch.available() is expected
-    assert launch.available() is expected  # cached, same answer
+    def build() -> object:
+        built.append(1)
+        if not builds:
+            raise RuntimeError("no libcuda")
+        return object()
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(launch.kernel, "build", build)
+    launch.available.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
+            assert launch.available() is launch.available() is (cuda and builds)
+    finally:
+        launch.available.cache_clear()
+    assert len(built) == int(cuda)
+    assert ("no Triton (no libcuda)" in caplog.text) is (cuda and not builds)
 
 
 def _small_case() -> Tuple[torch.Tensor, ...]:

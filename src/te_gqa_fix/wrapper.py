@@ -51,7 +51,7 @@ def unwrap(fn: Callable) -> Callable:
 
 _COUNT_NAMES = ("calls", "fixed", "skipped", "passthrough", "fallback")
 _CALLS, _FIXED, _SKIPPED, _PASSTHROUGH, _FALLBACK = range(5)
-_counts: List[int] = [0] * 5
+_counts: List[int] = [0] * len(_COUNT_NAMES)
 
 
 def call_counts() -> Dict[str, int]:
@@ -67,7 +67,7 @@ def call_counts() -> Dict[str, int]:
 
 def reset_call_counts() -> None:
     """Set every count of :func:`call_counts` to 0."""
-    _counts[:] = [0] * 5
+    _counts[:] = [0] * len(_COUNT_NAMES)
 
 
 #: What the wrapper reads from every call, in this order. ``dqkv_layout`` (TE >= 2.20)
@@ -88,14 +88,9 @@ class _Signature:
         if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
             raise TypeError("a signature with *args or **kwargs cannot be read by name")
         positions = {p.name: i for i, p in enumerate(params) if p.kind != p.KEYWORD_ONLY}
+        # A name the signature lacks reads as None (a window_size of None is unbounded).
         defaults = {p.name: p.default for p in params if p.default is not p.empty}
-        #: For bind(): positional names in order, every name, every default.
-        self.order = [p.name for p in params if p.kind != p.KEYWORD_ONLY]
-        self.names = frozenset(p.name for p in params)
-        self.keywords = frozenset(p.name for p in params if p.kind != p.POSITIONAL_ONLY)
-        self.defaults = dict(defaults)
         defaults["dqkv_layout"] = None
-        defaults.setdefault("window_size", (-1, -1))
         self.slots = [(n, positions.get(n), defaults.get(n)) for n in _NAMES]
         self.fast: Optional[Callable] = None
         self.need = 0
@@ -114,16 +109,9 @@ class _Signature:
         )
 
     def bind(self, args: Sequence, kwargs: Mapping[str, Any]) -> Dict[str, Any]:
-        """Every argument by name, defaults applied (TypeError where TE's call would fail)."""
-        given = self.order[: len(args)]
-        if len(args) <= len(self.order) and kwargs.keys() <= self.keywords:
-            call = dict(self.defaults)
-            call.update(zip(given, args))
-            if not kwargs or kwargs.keys().isdisjoint(given):
-                call.update(kwargs)
-                if len(call) == len(self.names):  # every parameter has a value
-                    return call
-        bound = self.sig.bind(*args, **kwargs)  # raises the TypeError TE's call would
+        """Every argument by name, defaults applied (TypeError where TE's call would fail).
+        Only the exact fallback asks, once per call it serves: its kernels dwarf this."""
+        bound = self.sig.bind(*args, **kwargs)
         bound.apply_defaults()
         return dict(bound.arguments)
 
@@ -189,8 +177,6 @@ def _device_index(q: object) -> Optional[int]:
 
 def _head_dims(q: object, v: object) -> Tuple[int, int]:
     """The q/k and v head dims (0 where a shape cannot be read)."""
-    if type(q) is _Tensor and type(v) is _Tensor:
-        return q.shape[-1], v.shape[-1]
     sq, sv = shape_of(q), shape_of(v)
     return (int(sq[-1]) if sq else 0), (int(sv[-1]) if sv else 0)
 
@@ -235,8 +221,9 @@ def _decide(policy: str, dev: Optional[int], picked: tuple) -> Optional[Decision
     unrepairable = None
     if dev is not None and d_qk and d_v:
         unrepairable = affected.why_unrepairable(dev, d_qk, d_v)
-    h_q = int(sq[-2]) if sq and len(sq) >= 2 else None
-    h_kv = int(sk[-2]) if sk and len(sk) >= 2 else None
+    # Heads of THD tensors only: anything else is checked (and refused) below.
+    h_q = int(sq[1]) if sq and len(sq) == 3 else None
+    h_kv = int(sk[1]) if sk and len(sk) == 3 else None
     postpass = policy == "always" or h_q is None or h_q != h_kv
     if not postpass and unrepairable is None:
         return _NOTHING_TO_DO
@@ -371,8 +358,7 @@ def _new_wrapper(original: Callable) -> Callable:
             _counts[_FIXED] += 1
         return out
 
-    setattr(fused_attn_bwd, MARKER, True)
-    fused_attn_bwd.__wrapped__ = original  # type: ignore[attr-defined]
+    setattr(fused_attn_bwd, MARKER, True)  # functools.wraps set __wrapped__
     return fused_attn_bwd
 
 
