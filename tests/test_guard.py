@@ -73,7 +73,7 @@ class FakeFallback:
         return self.reason or fallback.Recipe((-1, -1), False, True, "thd_thd_thd", False, False)
 
     def run(self, plan: Any, call: Dict[str, Any]) -> list:
-        assert self.reason is None and isinstance(plan, fallback.Plan), plan
+        assert self.reason is None and isinstance(plan, fallback.Recipe), plan
         self.asked.append(call)
         return self.backend(dict(call))
 

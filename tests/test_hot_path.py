@@ -8,6 +8,7 @@ again. No timing here: benchmarks/ measures the host cost.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Callable, Dict, List, Optional
 
@@ -426,6 +427,37 @@ def test_signature_reads_positional_keyword_and_default() -> None:
     assert (picked["q"], picked["k"], picked["dqkv_layout"]) == ("kw", 2, "sbh3d")
     with pytest.raises(TypeError, match="by name"):
         _Signature(lambda *args: None)
+
+
+def _bind_target(a, q, k=1, /, v=2, *, w=3, x):  # type: ignore[no-untyped-def]
+    return None
+
+
+@pytest.mark.parametrize(
+    "args, kwargs",
+    [
+        ((0, "q"), {"x": 9}),  # positional-only given, defaults applied
+        ((0, "q", "k", "v"), {"x": 9, "w": 4}),
+        ((0, "q"), {"v": 5, "x": 9}),
+        ((0, "q", 1, 2, 3), {"x": 9}),  # too many positionals
+        ((0,), {"x": 9}),  # q missing
+        ((0, "q"), {}),  # keyword-only x missing
+        ((0, "q"), {"x": 9, "nope": 1}),  # unknown keyword
+        ((0, "q", "k", "v"), {"v": 1, "x": 9}),  # v twice
+        ((0,), {"q": "q", "x": 9}),  # positional-only by keyword
+    ],
+)
+def test_bind_is_inspects_bind(args: tuple, kwargs: dict) -> None:
+    sig = _Signature(_bind_target)
+    expected = inspect.signature(_bind_target)
+    try:
+        bound = expected.bind(*args, **kwargs)
+    except TypeError:
+        with pytest.raises(TypeError):
+            sig.bind(args, kwargs)
+        return
+    bound.apply_defaults()
+    assert sig.bind(args, kwargs) == dict(bound.arguments)
 
 
 # --------------------------------------------------------------------- GPU

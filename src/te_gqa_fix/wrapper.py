@@ -90,6 +90,11 @@ class _Signature:
         positions = {p.name: i for i, p in enumerate(params) if p.kind != p.KEYWORD_ONLY}
         # A name the signature lacks reads as None (a window_size of None is unbounded).
         defaults = {p.name: p.default for p in params if p.default is not p.empty}
+        #: For bind(): positional names in order, every name, every default.
+        self.order = [p.name for p in params if p.kind != p.KEYWORD_ONLY]
+        self.names = frozenset(p.name for p in params)
+        self.keywords = frozenset(p.name for p in params if p.kind != p.POSITIONAL_ONLY)
+        self.defaults = dict(defaults)
         defaults["dqkv_layout"] = None
         self.slots = [(n, positions.get(n), defaults.get(n)) for n in _NAMES]
         self.fast: Optional[Callable] = None
@@ -110,8 +115,19 @@ class _Signature:
 
     def bind(self, args: Sequence, kwargs: Mapping[str, Any]) -> Dict[str, Any]:
         """Every argument by name, defaults applied (TypeError where TE's call would fail).
-        Only the exact fallback asks, once per call it serves: its kernels dwarf this."""
-        bound = self.sig.bind(*args, **kwargs)
+
+        The exact fallback asks once per call it serves, before its first kernel: the common
+        case skips ``inspect``'s bind, which is slow on the host, and returns what it would.
+        """
+        given = self.order[: len(args)]
+        if len(args) <= len(self.order) and kwargs.keys() <= self.keywords:
+            call = dict(self.defaults)
+            call.update(zip(given, args))
+            if not kwargs or kwargs.keys().isdisjoint(given):
+                call.update(kwargs)
+                if len(call) == len(self.names):  # every parameter has a value
+                    return call
+        bound = self.sig.bind(*args, **kwargs)  # raises the TypeError TE's call would
         bound.apply_defaults()
         return dict(bound.arguments)
 
