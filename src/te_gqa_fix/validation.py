@@ -375,9 +375,10 @@ def offset_faults(
                 bad = torch.cat((x[:1] < 0, x[1:] < x[:-1]))
                 faults.append(Fault((name,), bad, functools.partial(_order_message, name, x)))
         buf, buf_name = (cu, cu_name) if pad is None else (pad, pad_name)
-        short = (buf[1:] - buf[:-1]) < (cu[1:] - cu[:-1])
-        names = (cu_name, buf_name)
-        faults.append(Fault(names, short, functools.partial(_short_message, names, cu, buf)))
+        if pad is not None:  # a segment shorter than its valid length: the two disagree
+            short = (pad[1:] - pad[:-1]) < (cu[1:] - cu[:-1])
+            names = (cu_name, pad_name)
+            faults.append(Fault(names, short, functools.partial(_short_message, names, cu, pad)))
         if rows is not None:
             past = buf[-1:] > rows
             message = functools.partial(_past_message, buf_name, buf, rows, side)

@@ -79,11 +79,13 @@ def _dead_rows(
 ) -> DeadRows:
     """:func:`dead_row_masks` for a resolved :class:`KeySpan` (nothing recorded)."""
     cu_q, cu_kv = cu_seqlens_q.to(torch.int64), cu_seqlens_kv.to(torch.int64)
-    pad_q = cu_q if cu_seqlens_q_padded is None else cu_seqlens_q_padded.to(torch.int64)
-    pad_kv = cu_kv if cu_seqlens_kv_padded is None else cu_seqlens_kv_padded.to(torch.int64)
-    given_q = None if cu_seqlens_q_padded is None else pad_q
-    given_kv = None if cu_seqlens_kv_padded is None else pad_kv
+    given_q, given_kv = (
+        None if t is None else t.to(torch.int64)
+        for t in (cu_seqlens_q_padded, cu_seqlens_kv_padded)
+    )
     errors = offset_error_bits(offset_faults(cu_q, cu_kv, given_q, given_kv, rows_q, rows_kv))
+    pad_q = cu_q if given_q is None else given_q  # the buffer offsets (TE's rule)
+    pad_kv = cu_kv if given_kv is None else given_kv
     ok = errors == 0
     if cu_seqlens_q.numel() <= 1:  # no sequence: every row is dead
         ones = dict(dtype=torch.bool, device=cu_seqlens_kv.device)
