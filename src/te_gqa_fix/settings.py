@@ -111,12 +111,15 @@ def parse(name: str, raw: Optional[str]) -> str:
 SHOWN_CHARS = 80
 
 
-def shown(raw: str) -> str:
-    """``repr(raw)``, or for a value over :data:`SHOWN_CHARS` characters the repr of its
-    start and its length: ``'aaaa...'...(100000 chars)``."""
-    if len(raw) <= SHOWN_CHARS:
-        return repr(raw)
-    return f"{raw[:SHOWN_CHARS]!r}...({len(raw)} chars)"
+def shown(value: object) -> str:
+    """``repr(value)``, or where that is long its start and the length: a message never
+    echoes a huge value (``'aaaa...'...(100000 chars)``)."""
+    if isinstance(value, str):
+        if len(value) <= SHOWN_CHARS:
+            return repr(value)
+        return f"{value[:SHOWN_CHARS]!r}...({len(value)} chars)"
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}...({len(text)} chars)"
 
 
 def _raw(name: str, env: Mapping[str, str]) -> object:

@@ -23,9 +23,6 @@ __all__ = ["Plan", "PlanInput", "build_plan", "format_plan", "plan_from_json", "
 
 #: plan lists every row; 2**22 rows per buffer already make about 100 MB of JSON.
 MAX_ROWS = 1 << 22
-#: The largest window side plan takes: like the offsets, int32 (a window of 2**31 - 1 keys
-#: already spans any sequence; far larger ones overflow the post-pass's int64 arithmetic).
-MAX_WINDOW = 2**31 - 1
 
 #: Each row's code (stable: the JSON output and tests use it) -> the reason it is given.
 _REASONS = {
@@ -167,17 +164,6 @@ def _rows(value: Any, name: str) -> int:
     return value
 
 
-def _window(value: Any) -> None:
-    """Raise ``ValueError`` naming ``window_size`` for a side past :data:`MAX_WINDOW` (the
-    rest of its checks are the mask gate's)."""
-    if isinstance(value, (list, tuple)) and len(value) == 2 and _all_ints(value):
-        if any(x > MAX_WINDOW for x in value):
-            raise ValueError(
-                f"window_size: expected two integers in -1..{MAX_WINDOW} (-1: unbounded), "
-                f"got {tuple(value)}"
-            )
-
-
 def _integer(text: str) -> int:
     """An ASCII decimal integer (optional leading "-", spaces around): ``int()`` alone
     would also take ``1_0``, ``+3`` and other scripts' digits."""
@@ -264,7 +250,6 @@ def build_plan(inp: PlanInput) -> Plan:
         None if getattr(inp, n) is None and i > 1 else _ints(getattr(inp, n), n)
         for i, n in enumerate(OFFSET_NAMES)
     ]
-    _window(inp.window_size)
     check_mask_arguments(inp.attn_mask_type, inp.window_size, inp.bottom_right_diagonal)
     rows = []
     for side, name in enumerate(("rows_q", "rows_kv")):

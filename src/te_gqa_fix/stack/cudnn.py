@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from .._logging import logger as _log
-from ..settings import parse
+from ..settings import parse, shown
 
 #: What users call; the rest is shared with doctor and the start-up hook.
 __all__ = [
@@ -187,8 +187,8 @@ def _site_folders(search_path: Any) -> Optional[List[str]]:
     what = "a list of site folders (str or os.PathLike)"
     if isinstance(search_path, (str, bytes, os.PathLike)):
         raise TypeError(
-            f"te_gqa_fix: search_path: expected {what}, got the single {_shown(search_path)}: "
-            f"wrap one folder in a list ([{_shown(search_path)}])"
+            f"te_gqa_fix: search_path: expected {what}, got the single {shown(search_path)}: "
+            f"wrap one folder in a list ([{shown(search_path)}])"
         )
     try:
         items = list(search_path)
@@ -201,15 +201,9 @@ def _site_folders(search_path: Any) -> Optional[List[str]]:
     if bad is not None:
         raise TypeError(
             f"te_gqa_fix: search_path[{bad}]: expected a folder (str or os.PathLike), got "
-            f"{type(items[bad]).__name__} {_shown(items[bad])}"
+            f"{type(items[bad]).__name__} {shown(items[bad])}"
         )
     return folders
-
-
-def _shown(value: Any, limit: int = 80) -> str:
-    """``repr(value)``, cut to ``limit`` characters (a message never echoes a huge value)."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}...({len(text)} chars)"
 
 
 def find_wheel_builds(search_path: Optional[Sequence[str]] = None) -> List[CudnnBuild]:
@@ -471,7 +465,7 @@ def _resolve_target(target: str, search_path: Optional[Sequence[str]]) -> CudnnB
     lib_dir = next((d for d in (target, *subs) if _has_cudnn(d)), None)
     if lib_dir is None:
         raise FileNotFoundError(
-            f"te_gqa_fix: {ENV_CUDNN}={target!r}: expected a folder holding libcudnn.so.9 "
+            f"te_gqa_fix: {ENV_CUDNN}={shown(target)}: expected a folder holding libcudnn.so.9 "
             "(or its lib/ or lib64/), found none"
         )
     real = os.path.realpath(lib_dir)
@@ -541,7 +535,7 @@ def _where(where: Any) -> str:
     if not isinstance(where, str):
         raise TypeError(
             f"te_gqa_fix: use_fixed_cudnn: where: expected {what}, got "
-            f"{type(where).__name__} {_shown(where)}"
+            f"{type(where).__name__} {shown(where)}"
         )
     key = where.strip().lower()
     if key == "auto":
@@ -549,12 +543,12 @@ def _where(where: Any) -> str:
     if key == "strict" or key.startswith("strict:"):
         folder = where.strip()[len("strict:") :] or "auto"
         raise ValueError(
-            f"te_gqa_fix: use_fixed_cudnn: where={_shown(where)}: 'strict' and 'strict:FOLDER' "
+            f"te_gqa_fix: use_fixed_cudnn: where={shown(where)}: 'strict' and 'strict:FOLDER' "
             f"are {ENV_CUDNN}'s spellings; here strictness is the strict= keyword (default "
-            f"True): call use_fixed_cudnn({folder!r}, strict=True)"
+            f"True): call use_fixed_cudnn({shown(folder)}, strict=True)"
         )
     if not key:
-        raise ValueError(f"te_gqa_fix: use_fixed_cudnn: where: expected {what}, got {where!r}")
+        raise ValueError(f"te_gqa_fix: use_fixed_cudnn: where: expected {what}, got {shown(where)}")
     return where
 
 
@@ -585,12 +579,14 @@ def use_fixed_cudnn(
     """
     target = _where(where)
     if not isinstance(strict, bool):
-        raise TypeError(f"te_gqa_fix: use_fixed_cudnn: strict: expected a bool, got {strict!r}")
+        raise TypeError(
+            f"te_gqa_fix: use_fixed_cudnn: strict: expected a bool, got {shown(strict)}"
+        )
     folders = _site_folders(search_path)
     if folders is not None and target != "auto":
         raise ValueError(
             "te_gqa_fix: use_fixed_cudnn: search_path is only read for where='auto', "
-            f"not for the folder {target!r}"
+            f"not for the folder {shown(target)}"
         )
     _route.update(setting=target, strict=strict, error=None)
     try:
