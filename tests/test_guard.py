@@ -127,28 +127,30 @@ def test_always_runs_the_post_pass_on_every_call_on_fixed_cudnn(
 
 
 @pytest.mark.parametrize(
-    ("cudnn", "capability"),
-    [(AFFECTED, HOPPER), (None, HOPPER), (FIXED, None), (AFFECTED, AMPERE)],
-    ids=["affected", "cudnn-unknown", "gpu-unknown", "ampere"],
-)
+    ("cudnn", "capability", "guard", "head_dim"),
+    [(AFFECTED, HOPPER, None, 128), (None, HOPPER, None, 128), (FIXED, None, None, 128),
+     (AFFECTED, AMPERE, None, 128), (AFFECTED, HOPPER, "off", 256)],
+    ids=["affected", "cudnn-unknown", "gpu-unknown", "ampere", "guard-off-256"],
+)  # fmt: skip
 def test_auto_repairs_where_cudnn_is_not_known_fixed(
-    monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
-    cudnn: Optional[tuple],
-    capability: Optional[tuple],
-) -> None:
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, cudnn: Optional[tuple],
+    capability: Optional[tuple], guard: Optional[str], head_dim: int,
+) -> None:  # fmt: skip
     """Not measured clean (an affected cuDNN, an unknown one, an unknown GPU, a GPU other than
-    Hopper): the post-pass runs on every call; at a repairable head dim there is nothing to
-    say."""
+    Hopper): the post-pass runs on every call; at a repairable head dim, or beyond one with
+    the guard off, there is nothing to say and the fallback is never asked."""
     Stack(monkeypatch, cudnn, capability)
+    if guard is not None:
+        monkeypatch.setenv("TE_GQA_FIX_GUARD", guard)
+    asked = FakeFallback(monkeypatch, None).asked
     fake = FakeTE("2.20")
     wrapped = wrapper_for(fake.fn)
     with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
         for _ in range(2):
             fake.backend.reset()
-            wrapped(**_args(head_dim=128))
+            wrapped(**_args(head_dim=head_dim))
             assert_post_pass(fake.backend.outputs, RAGGED, "padding_causal", (-1, -1), None)
-    assert _warnings(caplog) == []
+    assert _warnings(caplog) == [] and asked == []
     assert call_counts()["fixed"] == 2
 
 
@@ -190,23 +192,6 @@ def test_guard_strict_raises_on_every_call(monkeypatch: pytest.MonkeyPatch, head
         with pytest.raises(UnrepairableConfiguration, match="head dim 256 on sm90"):
             wrapped(**_args(heads=heads))
     assert fake.backend.calls == [], "TE ran under strict"
-
-
-def test_guard_off_is_silent(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    Stack(monkeypatch, AFFECTED)
-    monkeypatch.setenv("TE_GQA_FIX_GUARD", "off")
-    asked = FakeFallback(monkeypatch, None).asked
-    fake = FakeTE("2.20")
-    wrapped = wrapper_for(fake.fn)
-    with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
-        for _ in range(2):
-            fake.backend.reset()
-            wrapped(**_args())
-            assert_post_pass(fake.backend.outputs, RAGGED, "padding_causal", (-1, -1), None)
-    assert _warnings(caplog) == [] and asked == []
-    assert call_counts()["fixed"] == 2
 
 
 @pytest.mark.parametrize(

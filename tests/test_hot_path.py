@@ -27,18 +27,10 @@ from fakes.te_outputs import (
 )
 from te_gqa_fix import postpass, validation
 from te_gqa_fix import wrapper as wrapper_module
-from te_gqa_fix.settings import SettingError
 from te_gqa_fix.wrapper import _Signature, call_counts, wrapper_for
 
-RAGGED = make_ragged(
-    [(3, 5), (0, 4), (4, 0), (2, 2), (5, 3)],
-    gaps_q=[1, 0, 2, 1, 0],
-    gaps_kv=[2, 1, 0, 1, 1],
-    lead_q=1,
-    lead_kv=2,
-    tail_q=2,
-    tail_kv=3,
-)
+RAGGED = make_ragged([(3, 5), (0, 4), (4, 0), (2, 2), (5, 3)], gaps_q=[1, 0, 2, 1, 0],
+                     gaps_kv=[2, 1, 0, 1, 1], lead_q=1, lead_kv=2, tail_q=2, tail_kv=3)  # fmt: skip
 OTHER = make_ragged([(0, 6), (2, 3), (1, 1)], gaps_kv=[1, 0, 2], lead_kv=1, tail_kv=2)
 
 
@@ -90,64 +82,34 @@ def test_call_shape_checked_once_not_per_layer(monkeypatch: pytest.MonkeyPatch) 
     assert call_counts()["fixed"] == 4
 
 
-def _bad_padded(a: Dict[str, Any]) -> None:
-    a["cu_seqlens_q_padded"] = a["cu_seqlens_q_padded"].reshape(1, -1)
-
-
-def _fewer_kv_heads(a: Dict[str, Any]) -> None:
-    a["k"] = a["v"] = torch.zeros(a["k"].shape[0], 3, a["k"].shape[2])
-
-
 #: A change to one fact of the call key that makes the call bad, and the error it gives.
 BAD: Dict[str, tuple] = {
-    "offsets dtype": (
-        lambda a: a.update(cu_seqlens_q=a["cu_seqlens_q"].long()),
-        r"^cu_seqlens_q: expected dtype torch\.int32",
-    ),
-    "offsets length": (
-        lambda a: a.update(cu_seqlens_kv=a["cu_seqlens_kv"][:-1]),
-        r"^cu_seqlens_kv: expected 6 offsets",
-    ),
-    "padded dtype": (
-        lambda a: a.update(cu_seqlens_kv_padded=a["cu_seqlens_kv_padded"].long()),
-        r"^cu_seqlens_kv_padded: expected dtype torch\.int32",
-    ),
-    "padded shape": (_bad_padded, r"^cu_seqlens_q_padded: expected a 1-D tensor"),
-    **{  # not keyable: decided and checked on every call
-        f"{n} not a tensor": (
-            lambda a, n=n: a.update({n: a[n].tolist()}),
-            rf"^{n}: expected a 1-D torch\.int32 tensor .*, got list",
-        )
-        for n in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded")
-    },
-    "kv heads": (
-        _fewer_kv_heads,
-        r"^k: expected a number of KV heads that divides the query heads \(4\), got 3",
-    ),
-    "k rows": (
-        lambda a: a.update(k=a["k"][:-1]),
-        r"^v: expected the same number of token rows as k \(\d+\), got",
-    ),
-    "v rows": (
-        lambda a: a.update(v=a["v"][:-1]),
-        r"^v: expected the same number of token rows as k",
-    ),
+    "offsets dtype": (lambda a: a.update(cu_seqlens_q=a["cu_seqlens_q"].long()),
+                      r"^cu_seqlens_q: expected dtype torch\.int32"),
+    "offsets length": (lambda a: a.update(cu_seqlens_kv=a["cu_seqlens_kv"][:-1]),
+                       r"^cu_seqlens_kv: expected 6 offsets"),
+    "padded dtype": (lambda a: a.update(cu_seqlens_kv_padded=a["cu_seqlens_kv_padded"].long()),
+                     r"^cu_seqlens_kv_padded: expected dtype torch\.int32"),
+    "padded shape": (lambda a: a.update(cu_seqlens_q_padded=a["cu_seqlens_q_padded"].reshape(1, -1)),
+                     r"^cu_seqlens_q_padded: expected a 1-D tensor"),
+    # not keyable: decided and checked on every call
+    **{f"{n} not a tensor": (lambda a, n=n: a.update({n: a[n].tolist()}),
+                             rf"^{n}: expected a 1-D torch\.int32 tensor .*, got list")
+       for n in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded")},
+    "kv heads": (lambda a: a.update(dict.fromkeys("kv", torch.zeros(a["k"].shape[0], 3, a["k"].shape[2]))),
+                 r"^k: expected a number of KV heads that divides the query heads \(4\), got 3"),
+    "k rows": (lambda a: a.update(k=a["k"][:-1]),
+               r"^v: expected the same number of token rows as k \(\d+\), got"),
+    "v rows": (lambda a: a.update(v=a["v"][:-1]), r"^v: expected the same number of token rows as k"),
     "q shape": (lambda a: a.update(q=a["q"].unsqueeze(0)), r"^q: expected a THD tensor"),
-    "q and k without a shape": (
-        lambda a: a.update(
-            dict.fromkeys("qk", type("Shapeless", (), {"device": torch.device("cpu")})())
-        ),
-        r"^k: expected a THD tensor",
-    ),
+    "q and k without a shape": (lambda a: a.update(dict.fromkeys(
+        "qk", type("Shapeless", (), {"device": torch.device("cpu")})())), r"^k: expected a THD tensor"),
     "q and k 2-D, as many rows": (  # no heads to compare: checked, not taken for MHA
-        lambda a: a.update(q=a["k"][:, 0], k=a["k"][:, 0], v=a["v"][:, 0]),
-        r"^k: expected a THD tensor",
-    ),
+        lambda a: a.update(q=a["k"][:, 0], k=a["k"][:, 0], v=a["v"][:, 0]), r"^k: expected a THD tensor"),
     "offsets on meta": (  # the key must tell devices apart, not only CUDA ones
         lambda a: a.update(cu_seqlens_kv=a["cu_seqlens_kv"].to("meta")),
-        r"^cu_seqlens_kv: expected a tensor with data",
-    ),
-}
+        r"^cu_seqlens_kv: expected a tensor with data"),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
@@ -534,16 +496,3 @@ def test_the_bounded_cache_clears_and_decides_again(monkeypatch: pytest.MonkeyPa
         assert_post_pass(fake.backend.outputs, ragged, "padding_causal", (-1, -1), None)
     # 1 2 3 decided; 4 clears and is decided; 1 again (cleared); 4 is a hit.
     assert len(decided) == 5
-
-
-@pytest.mark.parametrize("name", ["TE_GQA_FIX", "TE_GQA_FIX_GUARD", "TE_GQA_FIX_VALIDATE"])
-def test_every_setting_the_wrapper_reads_is_parsed_at_its_first_call(
-    monkeypatch: pytest.MonkeyPatch, name: str
-) -> None:
-    """Issue 34: a typo in any setting the wrapper reads raises at the first call, naming
-    the variable, before TE runs, whether or not the call would need that setting."""
-    monkeypatch.setenv(name, "stirct")
-    fake = FakeTE("2.20")
-    with pytest.raises(SettingError, match=rf"^{name}='stirct' is not an accepted value"):
-        wrapper_for(fake.fn)(**call_arguments("2.20", RAGGED, heads_q=2, heads_kv=2))
-    assert fake.backend.calls == []

@@ -146,7 +146,13 @@ def test_a_mistyped_setting_is_a_named_error_wherever_it_is_read(
     assert rep["settings"][name]["error"] == message and message in rep["warnings"]
     assert rep["settings"][name]["help"] == SETTINGS[name][2] != ""
     assert f"  {name:<20} ERROR: {message}" in report.format_report(rep)
-    # where the variable is read
+    # where the variable is read; the wrapper's three: at its first call, before TE runs, even
+    # a call (MHA) that needs none of them
+    if name in ("TE_GQA_FIX", "TE_GQA_FIX_GUARD", "TE_GQA_FIX_VALIDATE"):
+        fake, mha = FakeTE("2.20"), call_arguments("2.20", RAGGED, heads_q=2, heads_kv=2)
+        with pytest.raises(SettingError) as first_call:
+            wrapper_module.wrapper_for(fake.fn)(**mha)
+        assert str(first_call.value) == message and fake.backend.calls == []
     if name in ("TE_GQA_FIX", "TE_GQA_FIX_GUARD"):  # the guard: at a head dim beyond repair
         assert _wrapper_call(monkeypatch, 256 if name == "TE_GQA_FIX_GUARD" else 3) == []
     elif name == "TE_GQA_FIX_VALIDATE":
