@@ -275,6 +275,30 @@ def test_segments_keep_impossible_offsets_inside_the_buffer() -> None:
         assert off[0] == 0 and off[-1] == 40 and off == sorted(off) and max(off) <= 40
 
 
+@pytest.mark.parametrize("padded", ["none", "valid-memory", "equal-copy", "gaps"])
+def test_back_to_back_sequences_are_segments_themselves(emulated, padded: str) -> None:
+    """Padded offsets None or in the valid ones' memory (DotProductAttention's call without
+    padding): the valid offsets are FlashAttention-2's segments, clamped into the buffer.
+    An equal copy, or real gaps, take the padded path. Both exact."""
+    gaps = dict(gap_q=[0, 2, 0], gap_kv=[1, 0, 3]) if padded == "gaps" else {}
+    batch = _batch([5, 0, 3], [4, 2, 6], mask="padding_causal_bottom_right", tail=3, **gaps)
+    call = _call(batch, padded=padded != "none")
+    if padded == "valid-memory":
+        call["cu_seqlens_q_padded"], call["cu_seqlens_kv_padded"] = (
+            call["cu_seqlens_q"],
+            call["cu_seqlens_kv"],
+        )
+    recipe = fallback.decide(fallback.call_facts(call))
+    assert recipe.back_to_back == ((padded in ("none", "valid-memory"),) * 2)  # type: ignore[union-attr]
+    _check(batch, call, fallback.exact_backward(call))
+    if recipe.back_to_back[0]:  # type: ignore[union-attr]
+        got = fallback._segments(call, "q", True, batch.rows_q)
+        assert got.tolist() == batch.cu_q and got.dtype == torch.int32
+    wild = {"cu_seqlens_kv": torch.tensor([-3, 9, 4, 70], dtype=torch.int32)}
+    off = fallback._segments(wild, "kv", True, 40).tolist()
+    assert off == [0, 9, 9, 40]  # non-decreasing, within the buffer
+
+
 # ----------------------------------------------------------------------- mask mapping
 def _expected_decline(mask: str, window, brd, one: bool) -> Optional[str]:
     if not mask.startswith("padding"):
@@ -447,13 +471,24 @@ def test_one_segmentation_only_where_q_and_kv_offsets_are_one_memory(emulated, k
 
 
 @pytest.mark.parametrize("stats", [False, True], ids=["forward", "tes-statistics"])
-def test_top_left_causal_across_two_offset_tensors_is_split(emulated, stats: bool) -> None:
-    """Two calls, each after its own forward or both on TE's statistics."""
-    batch = _batch([7, 2, 0, 5], [3, 6, 4, 5], mask="padding_causal", gap_q=[0, 3, 1, 2])
+def test_top_left_causal_across_two_offset_tensors(emulated, stats: bool) -> None:
+    """On TE's statistics one call, keys moved to their queries' rows (more queries than
+    keys, fewer, none; NaN in every row outside a sequence, which must not reach a real
+    gradient); after a forward, two calls, each after its own forward."""
+    batch = _batch(
+        [7, 2, 0, 5], [3, 6, 4, 5], mask="padding_causal", gap_q=[0, 3, 1, 2], gap_kv=[2, 2, 0, 1]
+    )
     call = _call(batch, tight=True, stats_rows=batch.rows_q if stats else None)
+    for name, pad, lengths in (("q", batch.pad_q, batch.lq), ("k", batch.pad_kv, batch.lk),
+                               ("v", batch.pad_kv, batch.lk)):  # fmt: skip
+        call[name] = call[name].clone()
+        outside = torch.ones(call[name].shape[0], dtype=torch.bool)
+        for start, length in zip(pad, lengths):
+            outside[start : start + length] = False
+        call[name][outside] = float("nan")
     _check(batch, call, fallback.exact_backward(call))
-    assert emulated.calls == (["bwd"] * 2 if stats else ["fwd", "bwd"] * 2)
-    if stats:  # no forward: both get the device's one seed and offset placeholder
+    assert emulated.calls == (["bwd"] if stats else ["fwd", "bwd"] * 2)
+    if stats:  # no forward: the device's one seed and offset placeholder
         seed, offset = fallback._philox_placeholders(torch.device("cpu"))
         assert all(r[0] is seed and r[1] is offset for r in emulated.rng), emulated.rng
 
@@ -622,7 +657,7 @@ def test_tes_statistics_replace_the_forward(emulated, case, extra_rows: int) -> 
     plan = fallback.decide(fallback.call_facts(call))
     assert plan.reuse_stats, plan
     _check(batch, call, fallback.exact_backward(call))
-    assert emulated.calls == ["bwd"] * (2 if plan.split else 1)
+    assert emulated.calls == ["bwd"]
 
 
 @pytest.mark.parametrize(
@@ -678,7 +713,7 @@ def test_deterministic_calls_run_in_torchs_deterministic_mode(
     try:
         _check(batch, call, fallback.exact_backward(call))
         assert _mode() == caller
-        assert seen == [inside] * 2  # the split: two calls
+        assert seen == [inside]  # the split on TE's statistics: one call
         monkeypatch.setattr(emulated, "_flash_attention_backward", lambda *a, **k: 1 / 0)
         with pytest.raises(ZeroDivisionError):
             fallback.exact_backward(call)

@@ -70,7 +70,9 @@ class FakeFallback:
 
     def decide(self, facts: Any) -> Any:
         self.decided.append(facts)
-        return self.reason or fallback.Recipe((-1, -1), False, True, "thd_thd_thd", False, False)
+        return self.reason or fallback.Recipe(
+            (-1, -1), False, True, "thd_thd_thd", False, False, (False, False)
+        )
 
     def run(self, plan: Any, call: Dict[str, Any]) -> list:
         assert self.reason is None and isinstance(plan, fallback.Recipe), plan

@@ -79,6 +79,7 @@ class CallFacts(NamedTuple):
     offsets_given: Tuple[bool, ...]
     one_offsets: bool  # cu_seqlens_kv is cu_seqlens_q's memory (self-attention)
     one_padded: bool  # cu_seqlens_kv_padded is cu_seqlens_q_padded's memory (or both None)
+    back_to_back: Tuple[bool, bool]  # q's, kv's padded offsets None or the valid ones' memory
     max_seqlens_are_ints: bool
     dropout: object
     attn_bias_type: object
@@ -101,11 +102,14 @@ class Recipe(NamedTuple):
     """How :func:`run` computes one call shape.
 
     ``window`` is FlashAttention-2's (bottom-right aligned) window; ``split``: top-left causal
-    across two offset tensors, computed in two calls; ``reuse_stats``: TE's softmax
-    statistics are ``[t >= rows_q, h, 1]`` float32 and replace a forward recompute;
+    across two offset tensors (one call on keys moved to q's rows, or two after a forward);
+    ``reuse_stats``: TE's softmax statistics are ``[t >= rows_q, h, 1]`` float32 and replace
+    a forward recompute;
     ``layout``: the gradients' layout; ``deterministic``: bitwise repeatable;
     ``one_segmentation``: q and kv rows are segmented alike (one offsets tensor each way,
-    as many rows), so FlashAttention-2 gets one offsets tensor for both.
+    as many rows), so FlashAttention-2 gets one offsets tensor for both; ``back_to_back``:
+    q's, kv's sequences lie back to back (no padded offsets, or the valid ones, as
+    DotProductAttention passes them without padding), so the valid offsets are segments.
     """
 
     window: Tuple[int, int]
@@ -114,6 +118,7 @@ class Recipe(NamedTuple):
     layout: str
     deterministic: bool
     one_segmentation: bool
+    back_to_back: Tuple[bool, bool]
 
 
 def _meta(t: object) -> Optional[TensorMeta]:
@@ -158,6 +163,10 @@ def call_facts(call: Mapping[str, Any]) -> CallFacts:
         offsets_given=tuple(get(n) is not None for n in OFFSET_NAMES),
         one_offsets=_same_memory(get("cu_seqlens_q"), get("cu_seqlens_kv")),
         one_padded=_same_memory(get("cu_seqlens_q_padded"), get("cu_seqlens_kv_padded")),
+        back_to_back=tuple(  # type: ignore[arg-type]
+            get(padded) is None or _same_memory(get(padded), get(valid))
+            for valid, padded in (OFFSET_NAMES[0::2], OFFSET_NAMES[1::2])
+        ),
         max_seqlens_are_ints=all(type(get(n)) is int for n in ("max_seqlen_q", "max_seqlen_kv")),
         dropout=get("dropout"),
         attn_bias_type=get("attn_bias_type", "no_bias"),
@@ -178,7 +187,7 @@ def call_facts(call: Mapping[str, Any]) -> CallFacts:
 
 
 def _mask_reason(f: CallFacts) -> Union[str, Tuple[Tuple[int, int], bool]]:
-    """FlashAttention-2's window for TE's mask and whether it needs the two-call split, or
+    """FlashAttention-2's window for TE's mask and whether it is top-left across two offsets tensors, or
     why the mask is not one FlashAttention-2 reproduces exactly."""
     name = f.attn_mask_type
     if name not in THD_MASKS:
@@ -299,7 +308,7 @@ def decide(f: CallFacts) -> Union[Recipe, str]:
     one_segmentation = f.one_offsets and f.one_padded and f.q.shape[0] == f.k.shape[0]  # type: ignore[union-attr]
     return Recipe(
         window, split, _stats_layout_known(f), str(f.dqkv_layout), f.deterministic,
-        one_segmentation,
+        one_segmentation, f.back_to_back,
     )  # fmt: skip
 
 
@@ -373,6 +382,20 @@ def _varlen_offsets(lo: torch.Tensor, hi: torch.Tensor, rows: int) -> torch.Tens
     off = F.pad(torch.stack((lo, hi), 1).reshape(-1), (1, 1))
     off[-1:].fill_(rows)
     return torch.cummax(off.clamp(0, rows), 0).values.to(torch.int32)
+
+
+def _segments(call: Mapping[str, Any], side: str, back_to_back: bool, rows: int) -> torch.Tensor:
+    """FlashAttention-2's varlen offsets for one side (``"q"`` or ``"kv"``) of TE's call.
+
+    Where its sequences lie back to back (:attr:`Recipe.back_to_back`), the valid offsets
+    themselves, clamped to the buffer and non-decreasing: sequence ``b`` is segment ``b``,
+    rows past the last lie in none. Else :func:`_varlen_offsets` of the padded starts. Either
+    way a buffer row is FlashAttention-2's row."""
+    cu = call["cu_seqlens_" + side]
+    if back_to_back:
+        return torch.cummax(cu.clamp(0, rows), 0).values
+    start = call[f"cu_seqlens_{side}_padded"][:-1]
+    return _varlen_offsets(start, start + (cu[1:] - cu[:-1]), rows)
 
 
 def _sequences(call: Mapping[str, Any]) -> Tuple[torch.Tensor, ...]:
@@ -479,6 +502,43 @@ def _pack(layout: str, grads: Tuple[torch.Tensor, ...]) -> List[torch.Tensor]:
     return [*grads[:first], *torch.stack(grads[first:], dim).unbind(dim)]
 
 
+def _moved_rows(off_to: torch.Tensor, off_from: torch.Tensor, rows_to: int, rows_from: int):
+    """For each row of a buffer segmented by ``off_to``: the row at the same place of the same
+    segment of a buffer segmented by ``off_from`` (clamped to that buffer), and whether the
+    row lies in a sequence (an odd segment, as :func:`_varlen_offsets` numbers them)."""
+    rows = torch.arange(rows_to, dtype=torch.int32, device=off_to.device)
+    segment = torch.searchsorted(off_to, rows, right=True) - 1
+    source = rows + (off_from - off_to)[segment]
+    return source.clamp_(0, max(rows_from - 1, 0)), (segment % 2 == 1).view(-1, 1, 1)
+
+
+def _top_left_in_one_call(a: _Args, sequences, deterministic: bool, out, lse) -> tuple:
+    """Top-left causal across two offsets tensors, on TE's statistics, in one call.
+
+    Query i of a sequence sees keys j <= i with j < lk. FlashAttention-2 aligns its causal
+    mask bottom-right, which is top-left only where a segment has as many keys as queries:
+    so key p < n = min(lq, lk) moves to the row of query p, the rest of the query's segment
+    gets zero keys, and one causal call runs on q's segments for both. With TE's statistics
+    a key's probability does not depend on the other keys, and a zero key adds 0 to every
+    real gradient: its dQ term is dS * 0. (Its probability exp(-lse) must be finite: a query
+    from lk on whose logsumexp is below -88 would get NaN.) dK and dV move back; keys no
+    query sees (p >= n) get some other row's values, for the post-pass to zero.
+    """
+    start_q, len_q, start_k, len_k = sequences
+    rows_q, rows_k = a.q.shape[0], a.k.shape[0]
+    n = torch.minimum(len_q, len_k)
+    square_q = _varlen_offsets(start_q, start_q + n, rows_q)
+    square_k = _varlen_offsets(start_k, start_k + n, rows_k)
+    key_rows, has_key = _moved_rows(square_q, square_k, rows_q, rows_k)
+    k = torch.where(has_key, a.k.index_select(0, key_rows), 0)
+    v = torch.where(has_key, a.v.index_select(0, key_rows), 0)  # finite where k is 0
+    off = _varlen_offsets(start_q, start_q + len_q, rows_q)
+    moved = a._replace(k=k, v=v, max_k=a.max_q)
+    dq, dk, dv = _flash(moved, off, off, (-1, 0), deterministic, out, lse)
+    query_rows, _ = _moved_rows(square_k, square_q, rows_k, rows_q)
+    return dq, dk.index_select(0, query_rows), dv.index_select(0, query_rows)
+
+
 def run(recipe: Recipe, call: Mapping[str, Any]) -> List[Optional[torch.Tensor]]:
     """What TE's ``fused_attn_bwd(**call)`` returns, computed with FlashAttention-2.
 
@@ -520,25 +580,26 @@ def run(recipe: Recipe, call: Mapping[str, Any]) -> List[Optional[torch.Tensor]]
     scale = call.get("attn_scale")
     args = _Args(q, k, v, d_o, *_bounds(call), d_qk**-0.5 if scale is None else float(scale))
     det = recipe.deterministic
-    start_q, len_q, start_k, len_k = _sequences(call)
     if not recipe.split:
-        off_q = _varlen_offsets(start_q, start_q + len_q, rows_q)
-        off_k = (
-            off_q if recipe.one_segmentation else _varlen_offsets(start_k, start_k + len_k, rows_k)
-        )
+        back_q, back_k = recipe.back_to_back
+        off_q = _segments(call, "q", back_q, rows_q)
+        off_k = off_q if recipe.one_segmentation else _segments(call, "kv", back_k, rows_k)
         dq, dk, dv = _flash(args, off_q, off_k, recipe.window, det, out, lse)
+    elif lse is not None:
+        dq, dk, dv = _top_left_in_one_call(args, _sequences(call), det, out, lse)
     else:
+        start_q, len_q, start_k, len_k = _sequences(call)
         # Top-left causal: query i of a sequence sees keys [0, min(i, lk - 1)]. The first
         # n = min(lq, lk) queries and keys form a square, causal both ways round; queries
         # from lk on (only when lq > lk) see every key. Keys from lq on are seen by none.
-        # Each query's keys lie in one of the two calls, so TE's statistics hold in both.
+        # Each query's keys lie in one of the two calls, so each call's forward holds.
         n = torch.minimum(len_q, len_k)
         off_qa = _varlen_offsets(start_q, start_q + n, rows_q)
         off_ka = _varlen_offsets(start_k, start_k + n, rows_k)
-        dq, dk, dv = _flash(args, off_qa, off_ka, (-1, 0), det, out, lse)
+        dq, dk, dv = _flash(args, off_qa, off_ka, (-1, 0), det)
         off_qb = _varlen_offsets(start_q + n, start_q + len_q, rows_q)
         off_kb = _varlen_offsets(start_k, start_k + len_k, rows_k)
-        dq_b, dk_b, dv_b = _flash(args, off_qb, off_kb, (-1, -1), det, out, lse)
+        dq_b, dk_b, dv_b = _flash(args, off_qb, off_kb, (-1, -1), det)
         # Each live query row is in one call's sequence segments (odd segment index).
         rows = torch.arange(rows_q, dtype=torch.int32, device=q.device)
         in_b = torch.searchsorted(off_qb, rows, right=True) % 2 == 0

@@ -25,7 +25,7 @@ from te_gqa_fix.testing import (
 pytestmark = pytest.mark.gpu
 
 
-def _dpa_step(te, batch, poison: bool):
+def _dpa_step(te, batch, poison: bool, padded: bool = True):
     h, g, d = batch.heads_q, batch.heads_kv, batch.head_dim
     d_v = d if batch.head_dim_v is None else batch.head_dim_v
     dpa = te.DotProductAttention(
@@ -46,8 +46,8 @@ def _dpa_step(te, batch, poison: bool):
         qkv_format="thd",
         cu_seqlens_q=batch.offsets("cuda")["cu_seqlens_q"],
         cu_seqlens_kv=batch.offsets("cuda")["cu_seqlens_kv"],
-        cu_seqlens_q_padded=batch.offsets("cuda")["cu_seqlens_q_padded"],
-        cu_seqlens_kv_padded=batch.offsets("cuda")["cu_seqlens_kv_padded"],
+        cu_seqlens_q_padded=batch.offsets("cuda")["cu_seqlens_q_padded"] if padded else None,
+        cu_seqlens_kv_padded=batch.offsets("cuda")["cu_seqlens_kv_padded"] if padded else None,
         max_seqlen_q=max_q,
         max_seqlen_kv=max_kv,
     )
@@ -140,24 +140,32 @@ def test_dpa_steady_state(te, cudnn, affected, monkeypatch, record):
 @pytest.mark.parametrize(
     "dims", [(256, 256), (192, 192), (256, 128)], ids=["256", "192", "256-128"]
 )
-@pytest.mark.parametrize("mask", ["padding_causal", "padding_causal_bottom_right"])
-def test_dpa_large_head_dims(te, cudnn, capability, mask, dims, deterministic, monkeypatch, record):
+@pytest.mark.parametrize(
+    "mask, layout",
+    [("padding_causal", "gaps"), ("padding_causal_bottom_right", "gaps"),
+     ("padding_causal", "back-to-back")],
+)  # fmt: skip
+def test_dpa_large_head_dims(
+    te, cudnn, capability, mask, layout, dims, deterministic, monkeypatch, record
+):
     """Head dims above 128, GQA, through DotProductAttention: exact on every build (the exact
     fallback where cuDNN is wrong on live rows, TE itself where it is fixed), also in TE's
     deterministic mode (``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``, as Megatron-Core sets it),
-    where two steps give bitwise equal gradients."""
+    where two steps give bitwise equal gradients. Sequences with gaps between them, and back
+    to back without padded offsets (DotProductAttention then passes the valid ones)."""
     from te_gqa_fix.stack.affected import verdict
 
     monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0" if deterministic else "1")
+    gaps = dict(gap_q=[2, 0, 4, 1], gap_kv=[0, 2, 0, 4]) if layout == "gaps" else {}
     batch = make_batch([40, 0, 64, 20], [48, 30, 64, 20], heads_q=8, heads_kv=2,
                        head_dim=dims[0], head_dim_v=dims[1], dtype=torch.bfloat16,
-                       gap_q=[2, 0, 4, 1], gap_kv=[0, 2, 0, 4], tail=3, mask=mask)  # fmt: skip
+                       tail=3, mask=mask, **gaps)  # fmt: skip
     random_inputs(batch, seed=5)
     te_gqa_fix.install()
     te_gqa_fix.reset_call_counts()
     try:
-        first = _dpa_step(te, batch, poison=True)
-        second = _dpa_step(te, batch, poison=True)
+        first = _dpa_step(te, batch, poison=True, padded=layout == "gaps")
+        second = _dpa_step(te, batch, poison=True, padded=layout == "gaps")
     except Exception as exc:  # TE picks no backend for this configuration
         if "backend" not in str(exc).lower():
             raise
@@ -169,8 +177,8 @@ def test_dpa_large_head_dims(te, cudnn, capability, mask, dims, deterministic, m
     counts = te_gqa_fix.call_counts()
     bitwise = all(torch.equal(a, b) for a, b in zip(first, second))
     unrepairable = verdict(capability, cudnn, *dims).status == "unrepairable"
-    record(cudnn=".".join(map(str, cudnn)), mask=mask, dims=dims, deterministic=deterministic,
-           counts=counts, bitwise_repeatable=bitwise, **res)  # fmt: skip
+    record(cudnn=".".join(map(str, cudnn)), mask=mask, layout=layout, dims=dims,
+           deterministic=deterministic, counts=counts, bitwise_repeatable=bitwise, **res)  # fmt: skip
     assert counts["fallback"] == 2 * int(unrepairable), counts
     assert exact(res), res
     if deterministic:
