@@ -6,15 +6,18 @@ Rows, each a ratio to TE's ``fused_attn_bwd`` (deterministic=False) in the same 
 deterministic=True; then the wrapper's call as a user on an affected stack makes it (the
 wrapper told that cuDNN is wrong here, TE's arguments passed positionally as
 DotProductAttention passes them): FlashAttention-2 fed TE's ``out`` and softmax statistics,
-then the post-pass, with one offsets tensor for q and kv (self-attention: one
-FlashAttention-2 backward) and with two (the top-left causal split into two calls, as TE's
-context-parallel steps pass them), each not deterministic and deterministic; and the
-fallback recomputing the forward (statistics of an unknown layout).
+then the post-pass, with one offsets tensor for q and kv (self-attention) and with two
+(top-left causal across two offsets tensors, as TE's context-parallel steps pass them: one
+backward on the keys moved to their queries' rows), each not deterministic and
+deterministic; and the fallback recomputing the forward (statistics of an unknown layout:
+two calls for the split). Without padding, the valid offsets are passed as the padded
+ones, as DotProductAttention passes them.
 
-Two timings per row, CUDA events after a warm-up, medians over ``--reps``: ``synced``, one
-call between two events and a sync (what one call costs the GPU's timeline, host time
-before its first kernel included), and ``back-to-back``, blocks of 10 calls between two
-events (what a step costs where the GPU, not the host, is the bottleneck). A row that runs
+Two timings per row, CUDA events after a warm-up, medians over ``--reps`` rounds in which
+the variants take turns: ``synced``, one call between two events and a sync (what one call
+costs the GPU's timeline, host time before its first kernel included), and
+``back-to-back``, blocks of 10 calls between two events (what a step costs where the GPU,
+not the host, is the bottleneck). A row that runs
 out of memory is recorded with its error.
 
     python3 benchmarks/fallback_cost.py --out fallback_cost.json [--reps 20]
@@ -38,19 +41,22 @@ HEADS, D, NSEQ = (16, 4), 256, 8
 BLOCK = 10
 
 
-def timed(fn: Callable[[], Any], reps: int) -> Dict[str, float]:
-    """Median ms per call, synced and back to back."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    synced = median([event_ms(fn) for _ in range(reps)])
-
-    def block() -> None:
-        for _ in range(BLOCK):
+def timed(fns: Dict[str, Callable[[], Any]], reps: int) -> Dict[str, Dict[str, float]]:
+    """Median ms per call of each function, synced and back to back; the functions take
+    turns within every round, so each ratio compares calls made under one GPU state."""
+    for fn in fns.values():
+        for _ in range(3):
             fn()
-
-    b2b = median([event_ms(block) / BLOCK for _ in range(max(3, reps // 2))])
-    return {"synced": synced, "back-to-back": b2b}
+    torch.cuda.synchronize()
+    synced: Dict[str, List[float]] = {name: [] for name in fns}
+    b2b: Dict[str, List[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            synced[name].append(event_ms(fn))
+    for _ in range(max(3, reps // 2)):
+        for name, fn in fns.items():
+            b2b[name].append(event_ms(lambda fn=fn: [fn() for _ in range(BLOCK)]) / BLOCK)
+    return {n: {"synced": median(synced[n]), "back-to-back": median(b2b[n])} for n in fns}
 
 
 def _force_fallback() -> None:
@@ -79,8 +85,12 @@ def main() -> None:
         random_inputs(batch, seed=0)
         te_forward(batch)
         two = te_call(batch)  # separate q and kv offsets tensors
-        one = dict(two, cu_seqlens_kv=two["cu_seqlens_q"])
-        one["cu_seqlens_kv_padded"] = one["cu_seqlens_q_padded"]
+        # No padding: DotProductAttention passes the valid offsets as the padded ones.
+        two["cu_seqlens_q_padded"], two["cu_seqlens_kv_padded"] = (
+            two["cu_seqlens_q"],
+            two["cu_seqlens_kv"],
+        )
+        one = dict(two, cu_seqlens_kv=two["cu_seqlens_q"], cu_seqlens_kv_padded=two["cu_seqlens_q"])
         det = {n: dict(c, deterministic=True) for n, c in (("one", one), ("two", two))}
         recompute = dict(one, aux_ctx_tensors=[])  # statistics of no known layout
 
@@ -96,26 +106,29 @@ def main() -> None:
             "fallback_split_deterministic": (wrapped, det["two"]),
             "fallback_recompute": (wrapped, recompute),
         }
-        base: Dict[str, float] = {}
+        fns: Dict[str, Callable[[], Any]] = {}
         for variant, (fn, call) in variants.items():
             args = positional(call)
             row = dict(workload=name, tokens=tokens, heads=list(HEADS), head_dim=D, nseq=NSEQ,
                        variant=variant)  # fmt: skip
             try:
                 before = wrapper.call_counts()["fallback"]
-                ms = timed(lambda fn=fn, args=args: fn(*args), opts.reps)
+                a, b = fn(*args), fn(*args)
                 if fn is wrapped and wrapper.call_counts()["fallback"] == before:
                     raise RuntimeError(f"{variant}: the wrapper did not take the fallback")
                 if variant.endswith("deterministic"):
-                    a, b = fn(*args), fn(*args)
                     row["bitwise_repeatable"] = all(torch.equal(x, y) for x, y in zip(a[:3], b[:3]))
+                del a, b
+                fns[variant] = lambda fn=fn, args=args: fn(*args)
             except torch.OutOfMemoryError as exc:
                 row["error"] = f"out of memory: {str(exc)[:80]}"
                 torch.cuda.empty_cache()
-                rows.append(row)
-                continue
-            base = base or ms
-            rows.append(dict(row, ms=ms, x_te={k: ms[k] / base[k] for k in ms}))
+            rows.append(row)
+        ms = timed(fns, opts.reps)
+        for row in rows:
+            if row["workload"] == name and "error" not in row:
+                row["ms"] = ms[row["variant"]]
+                row["x_te"] = {k: v / ms["te"][k] for k, v in row["ms"].items()}
         del batch, one, two, det, recompute, variants
         torch.cuda.empty_cache()
     meta = metadata()
