@@ -178,6 +178,7 @@ def preload_cudnn(setting: str) -> None:
     """Load the cuDNN that ``setting`` (TE_GQA_FIX_CUDNN's value) names, now, and remove the
     preload hook. A strict failure raises ImportError and keeps the hook, so that every
     import of torch or TE fails with the reason; otherwise a failure is logged."""
+    from te_gqa_fix.settings import shown
     from te_gqa_fix.stack.cudnn import parse_setting, use_fixed_cudnn
 
     target, strict = parse_setting(setting)  # never off: activate installs no hook then
@@ -185,9 +186,9 @@ def preload_cudnn(setting: str) -> None:
         use_fixed_cudnn(target, strict=strict)
     except Exception as exc:
         if strict:
-            raise ImportError(f"te_gqa_fix: {ENV_CUDNN}={setting}: {exc}") from exc
+            raise ImportError(f"te_gqa_fix: {ENV_CUDNN}={shown(setting)}: {exc}") from exc
         _log.warning(
-            f"te_gqa_fix: {ENV_CUDNN}={setting} failed ({type(exc).__name__}: {exc}); "
+            f"te_gqa_fix: {ENV_CUDNN}={shown(setting)} failed ({type(exc).__name__}: {exc}); "
             "Transformer Engine keeps the cuDNN it finds"
         )
     _remove(_CUDNN_MARKER)

@@ -346,11 +346,12 @@ def test_the_preload_hook_leaves_the_finders_behind_it_their_turn(
     assert asked == ["te_gqa_fix_no_such_module"] and not boot._hooks(boot._CUDNN_MARKER)
 
 
+@pytest.mark.parametrize("long", [False, True], ids=["", "100k-chars"])
 @pytest.mark.parametrize("strict", [False, True])
 @pytest.mark.parametrize("how", ["torch imported before the hook", "the hook's trigger"])
 def test_the_preload_runs_once_then_removes_its_hook(
     hook, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path,
-    how: str, strict: bool,
+    how: str, strict: bool, long: bool,
 ) -> None:  # fmt: skip
     """torch is imported in this process, as after a start-up file that imports it: the
     route runs at once and reports why it loads nothing; otherwise the hook runs it at the
@@ -359,12 +360,12 @@ def test_the_preload_runs_once_then_removes_its_hook(
     cudnn = importlib.import_module("te_gqa_fix.stack.cudnn")
     cudnn._reset_route()
     monkeypatch.setattr(cudnn, "_route", dict(cudnn._route))
-    folder = f"{'strict:' if strict else ''}{tmp_path / 'no-cudnn'}"
+    folder = f"{'strict:' if strict else ''}{tmp_path / 'no-cudnn'}" + "/a" * (50_000 * long)
     monkeypatch.setenv(boot.ENV_CUDNN, folder)
     with caplog.at_level(logging.WARNING, logger="te_gqa_fix"), (
-        pytest.raises(ImportError, match=r"TE_GQA_FIX_CUDNN=strict:.*expected a folder holding")
+        pytest.raises(ImportError, match=r"TE_GQA_FIX_CUDNN='strict:.*expected a folder holding")
         if strict else contextlib.nullcontext()
-    ):  # fmt: skip
+    ) as raised:  # fmt: skip
         if how == "the hook's trigger":
             monkeypatch.setattr(boot.CudnnPreloadHook, "TRIGGERS", ("a_module_not_imported",))
             boot.activate()
@@ -378,6 +379,8 @@ def test_the_preload_runs_once_then_removes_its_hook(
     assert bool(boot._hooks(boot._CUDNN_MARKER)) is strict
     if not strict:
         assert "Transformer Engine keeps the cuDNN it finds" in caplog.text
+    said = str(raised.value) if strict else caplog.text  # type: ignore[union-attr]
+    assert len(said) < 1000 and said.count("/a/a") < 100  # a long value is not echoed
 
 
 def test_an_unforeseen_route_error_is_logged_and_the_hook_goes(
