@@ -251,17 +251,19 @@ def render(data: Dict[str, Any]) -> str:
     L += [
         "## The exact fallback",
         "",
-        "Head dim 256, GQA 16/4, bf16, 8 packed `padding_causal` sequences. TE's "
+        "Head dim 256, GQA 16/4, bf16, 8 packed `padding_causal` sequences without padding, "
+        "the valid offsets passed as the padded ones, as DotProductAttention passes them. TE's "
         "`fused_attn_bwd` on the cuDNN TE runs (`deterministic=False`: the base of every ratio, "
         "and `True`), next to the wrapper's call where cuDNN is wrong on live rows, made as "
         "DotProductAttention makes it: FlashAttention-2's backward fed TE's output and softmax "
-        "statistics, then the post-pass, with one offsets tensor, and split into two calls "
-        "(top-left causal across two offsets tensors, as context parallelism passes them), each "
-        "not deterministic and deterministic (bitwise repeatable: two calls compared); and with "
-        "the forward recomputed, for statistics of an unknown layout. CUDA events, medians "
-        "(`benchmarks/fallback_cost.py`): *synced* is one call then a sync (the host's time "
-        "before the first kernel counts), *back to back* a block of calls (the host's time "
-        "hidden, as in a step where the GPU is the bottleneck).",
+        "statistics, then the post-pass, with one offsets tensor, and with two (`split`: "
+        "top-left causal across two offsets tensors, as context parallelism passes them; one "
+        "backward on the keys moved to their queries' rows), each not deterministic and "
+        "deterministic (bitwise repeatable: two calls compared); and with the forward "
+        "recomputed, for statistics of an unknown layout. CUDA events, medians over rounds in "
+        "which the variants take turns (`benchmarks/fallback_cost.py`): *synced* is one call "
+        "then a sync (the host's time before the first kernel counts), *back to back* a block "
+        "of calls (the host's time hidden, as in a step where the GPU is the bottleneck).",
         "",
     ]
     rows = []
