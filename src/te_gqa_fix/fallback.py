@@ -49,8 +49,9 @@ def coverage() -> Tuple[str, ...]:
     return (
         "exact: THD, fp16/bf16, MHA/GQA/MQA, head dims up to 256 (v's at most q/k's), padded "
         "offsets, sequences without queries or keys; padding, causal (top-left or bottom-right) "
-        "and bottom-right windows; top-left windows when q and kv share one offsets tensor; "
-        "deterministic=True bitwise repeatable",
+        "and bottom-right windows; top-left windows when q and kv share one offsets tensor "
+        "(top-left causal across two: a query past its sequence's last key whose logsumexp is "
+        "below -88 gets NaN in dQ); deterministic=True bitwise repeatable",
         "declined: dropout, bias, non-vanilla softmax, FP8, non-THD, contradictory causal "
         "arguments; needs CUDA sm80+ (a declined call raises under TE_GQA_FIX_GUARD=fallback)",
     )
@@ -187,8 +188,8 @@ def call_facts(call: Mapping[str, Any]) -> CallFacts:
 
 
 def _mask_reason(f: CallFacts) -> Union[str, Tuple[Tuple[int, int], bool]]:
-    """FlashAttention-2's window for TE's mask and whether it is top-left across two offsets tensors, or
-    why the mask is not one FlashAttention-2 reproduces exactly."""
+    """FlashAttention-2's window for TE's mask and whether it is top-left causal across two
+    offsets tensors (:attr:`Recipe.split`), or why FlashAttention-2 cannot reproduce it."""
     name = f.attn_mask_type
     if name not in THD_MASKS:
         return f"attn_mask_type={name!r} (THD takes {', '.join(THD_MASKS)})"
