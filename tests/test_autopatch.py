@@ -389,7 +389,7 @@ def test_an_unforeseen_route_error_is_logged_and_the_hook_goes(
     monkeypatch.setattr("te_gqa_fix.stack.cudnn.use_fixed_cudnn", lambda target, strict: 1 / 0)
     with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
         boot.preload_cudnn("/x")
-    assert "TE_GQA_FIX_CUDNN=/x failed (ZeroDivisionError: division by zero)" in caplog.text
+    assert "TE_GQA_FIX_CUDNN='/x' failed (ZeroDivisionError: division by zero)" in caplog.text
 
 
 def test_pth_line_reads_two_variables_and_their_off_values() -> None:
