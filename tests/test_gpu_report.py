@@ -53,13 +53,15 @@ def test_collect_then_render(tmp_path: Path) -> None:
         "</testsuite></testsuites>"
     )
     (tmp_path / "doctor-system.json").write_text(json.dumps({"status": "affected", "exit_code": 1}))
+    unfinished = dict(stack, cudnn_te="9.19.0")  # records, but pytest was cut off: no junit
+    (tmp_path / "records-pip.jsonl").write_text(json.dumps(unfinished) + "\n")
     out = tmp_path / "v.jsonl"
-    assert (
-        report.main(["collect", "--tests", str(tmp_path), "--builds", "system", "-o", str(out)])
-        == 0
-    )
+    args = ["collect", "--tests", str(tmp_path), "--builds", "system,pip", "-o", str(out)]
+    assert report.main(args) == 0
     text = report.render(report._jsonl(out))
     assert "| system | 9.14.0 | 1 | 1 | 0 | 0 | affected (exit 1) |" in text
+    assert "| pip | 9.19.0 | - | - | - | - | - (exit -) |" in text
+    assert "- `pip`: pytest did not finish" in text
     assert "- `system` failed: `test_seed.py::b`" in text
     assert "| system | t | yes | 0 | - | 0.5 |" in text
     assert "Date: 2026-01-02" in text and "03:04" not in text

@@ -48,8 +48,12 @@ if [[ $parts == *" megatron "* ]]; then
   RES=$mres OUT=$out bash tests/multigpu/megatron/run.sh
   echo "megatron: exit $?"
 fi
+command="bash tests/gpu/run_all.sh"  # with the knobs this run was given
+for knob in CP_ARGS PYTEST_ARGS PYTEST_TIMEOUT BUILDS PARTS; do
+  [ -n "${!knob:-}" ] && command="$knob=${!knob@Q} $command"
+done
 python3 tests/gpu/report.py collect --tests "$res" --builds "$(echo $builds | tr ' ' ',')" \
-  --extra "$extra" --megatron "$mres" --command "${COMMAND:-bash tests/gpu/run_all.sh}" \
+  --extra "$extra" --megatron "$mres" --command "${COMMAND:-$command}" \
   -o "$out/validation.jsonl"
 python3 tests/gpu/report.py render "$out/validation.jsonl" -o "$out/validation.md"
 echo "data file $out/validation.jsonl, page $out/validation.md"
