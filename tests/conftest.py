@@ -2,8 +2,8 @@
 
 te-gqa-fix keeps a little process-wide state on purpose (log-once keys, call counters,
 the wrappers and their call-shape caches, the guard's per-device decisions, the patch
-registry); each test starts from none of it and from no ``TE_GQA_FIX*`` variable in the
-environment, so tests cannot leak into each other.
+registry, the post-pass's recorded offset errors); each test starts from none of it and
+from no ``TE_GQA_FIX*`` variable in the environment, so tests cannot leak into each other.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import pytest
 
 import te_gqa_fix
 from te_gqa_fix import _logging, patch, wrapper
+from te_gqa_fix.postpass import offset_errors
 from te_gqa_fix.stack import affected
 
 _HERE = str(Path(__file__).resolve().parent)
@@ -37,10 +38,12 @@ def clean_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     _logging._reset_log_once()
     te_gqa_fix.reset_call_counts()
     affected.reset()
+    offset_errors._reset()
     yield
     _logging._reset_log_once()
     te_gqa_fix.reset_call_counts()
     affected.reset()
+    offset_errors._reset()
 
 
 @pytest.fixture

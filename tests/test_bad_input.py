@@ -35,13 +35,6 @@ def _t(values: Any) -> torch.Tensor:
     return torch.tensor(values, dtype=I32)
 
 
-@pytest.fixture(autouse=True)
-def _clean_records() -> Any:
-    offset_errors._reset()
-    yield
-    offset_errors._reset()
-
-
 # ------------------------------------------------------------- the bad-input tables
 # One table per public entry point: the bad input, then the exception and the start of its
 # message (which names the argument). zero_dead_rows must also write nothing before it

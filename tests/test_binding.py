@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import te_gqa_fix
-from fakes.oracle import assert_rows, bits, expected_keep, make_ragged
+from fakes.oracle import bits, make_ragged
 from fakes.te_outputs import (
     FakeQuantizer,
     FakeTE,
@@ -96,8 +96,7 @@ def test_wrapper_routes_arguments_and_zeroes_oracle_rows(
     version: str, layout: str, case: str, cut: object
 ) -> None:
     mask, window, brd = MASK_CASES[case]
-    fake = FakeTE(version)
-    wrapped = wrapper_for(fake.fn)
+    fake, wrapped = FakeTE.with_wrapper(version)
     arguments = call_arguments(
         version,
         RAGGED,
@@ -132,8 +131,7 @@ def test_wrapper_routes_arguments_and_zeroes_oracle_rows(
 def test_defaults_left_out_like_context_parallel(version: str) -> None:
     # TE 2.20's context_parallel.py passes neither window_size nor bottom_right_diagonal:
     # the wrapper must use the signature's defaults ((-1, -1), None -> by mask name).
-    fake = FakeTE(version)
-    wrapped = wrapper_for(fake.fn)
+    fake, wrapped = FakeTE.with_wrapper(version)
     arguments = call_arguments(version, RAGGED, attn_mask_type="padding_causal_bottom_right")
     names = fake.names
     n = names.index("cu_seqlens_q_padded")
@@ -149,8 +147,7 @@ def test_defaults_left_out_like_context_parallel(version: str) -> None:
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_wrapper_metadata(version: str) -> None:
-    fake = FakeTE(version)
-    wrapped = wrapper_for(fake.fn)
+    fake, wrapped = FakeTE.with_wrapper(version)
     assert wrapped.__wrapped__ is fake.fn
     assert is_wrapper(wrapped) and not is_wrapper(fake.fn)
     assert unwrap(wrapped) is fake.fn
@@ -166,8 +163,7 @@ def test_wrapper_metadata(version: str) -> None:
 @pytest.mark.parametrize("version", VERSIONS)
 def test_policy_off_is_a_pure_pass_through(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TE_GQA_FIX", "off")  # its spellings: tests/test_settings.py
-    fake = FakeTE(version)
-    wrapped = wrapper_for(fake.fn)
+    fake, wrapped = FakeTE.with_wrapper(version)
     # Even metadata the post-pass would reject (int64 offsets) goes straight to TE.
     arguments = call_arguments(version, RAGGED, offsets_dtype=torch.int64)
     out = wrapped(**arguments)
@@ -179,8 +175,7 @@ def test_policy_off_is_a_pure_pass_through(version: str, monkeypatch: pytest.Mon
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("layout", ["bshd_bshd_bshd", "sbhd_sb2hd", "bs3hd"])
 def test_non_thd_layout_untouched(version: str, layout: str) -> None:
-    fake = FakeTE(version)
-    wrapped = wrapper_for(fake.fn)
+    fake, wrapped = FakeTE.with_wrapper(version)
     heads = (2, 2) if "3" in layout else (4, 2)
     arguments = call_arguments(version, RAGGED, layout=layout, heads_q=heads[0], heads_kv=heads[1])
     out = wrapped(**arguments)
@@ -190,8 +185,7 @@ def test_non_thd_layout_untouched(version: str, layout: str) -> None:
 
 def test_dqkv_layout_decides_on_te_2_20() -> None:
     # THD inputs, 4-D gradients requested: the gradients' layout is what matters.
-    fake = FakeTE("2.20")
-    wrapped = wrapper_for(fake.fn)
+    fake, wrapped = FakeTE.with_wrapper("2.20")
     arguments = call_arguments("2.20", RAGGED)
     arguments["dqkv_layout"] = "bshd_bshd_bshd"
     out = wrapped(**arguments)
@@ -206,8 +200,7 @@ def test_dqkv_layout_decides_on_te_2_20() -> None:
 @pytest.mark.parametrize("version", VERSIONS)
 def test_thd_q_with_padded_kv_layout_untouched(version: str) -> None:
     # thd_bshd_bshd: dK/dV are not THD, nothing to do (dQ of such calls is not damaged).
-    fake = FakeTE(version)
-    wrapped = wrapper_for(fake.fn)
+    fake, wrapped = FakeTE.with_wrapper(version)
     arguments = call_arguments(version, RAGGED, layout="thd_bshd_bshd")
     arguments["k"] = arguments["v"] = torch.zeros(2, 5, 2, 3)
     out = wrapped(**arguments)
@@ -218,8 +211,7 @@ def test_thd_q_with_padded_kv_layout_untouched(version: str) -> None:
 def test_unknown_layout_passed_through_and_logged_once(
     version: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    fake = FakeTE(version)
-    wrapped = wrapper_for(fake.fn)
+    fake, wrapped = FakeTE.with_wrapper(version)
     arguments = call_arguments(version, RAGGED, layout="thd_thd_thd")
     layout_arg = "dqkv_layout" if version == "2.20" else "qkv_layout"
     arguments[layout_arg] = "thd_future_layout"
@@ -255,21 +247,16 @@ def test_unbindable_signature_passed_through_and_logged_once(
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("with_shape", [True, False], ids=["Float8Tensor", "Float8TensorStorage"])
 def test_fp8_outputs_raw_bytes_zeroed(version: str, with_shape: bool) -> None:
-    fake = FakeTE(version)
-    wrapped = wrapper_for(fake.fn)
+    fake, wrapped = FakeTE.with_wrapper(version)
     arguments = call_arguments(
         version, RAGGED, dqkv_quantizer=FakeQuantizer(columnwise=False, with_shape=with_shape)
     )
     out = wrapped(**arguments)
-    assert out is fake.backend.returned
-    keep_q, keep_kv = expected_keep(RAGGED, "padding_causal")
-    for name, keep in (("dq", keep_q), ("dk", keep_kv), ("dv", keep_kv)):
-        after, before = fake.backend.outputs[name]
+    _check_fixed(fake, out, "padding_causal", (-1, -1), None)  # byte 0 is +0 in E4M3 and E5M2
+    for i, name in enumerate(("dq", "dk", "dv")):
+        after, _ = fake.backend.outputs[name]
         assert after.dtype == torch.uint8
-        assert out[("dq", "dk", "dv").index(name)]._data is after
-        assert_rows(after, before, keep, name)  # byte 0 is +0 in E4M3 and E5M2
-    after, before = fake.backend.outputs["extra"]
-    assert torch.equal(bits(after), bits(before))
+        assert out[i]._data is after
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -277,8 +264,7 @@ def test_fp8_outputs_raw_bytes_zeroed(version: str, with_shape: bool) -> None:
 def test_fp8_with_live_transpose_passes_through_with_one_warning(
     version: str, with_shape: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
-    fake = FakeTE(version)
-    wrapped = wrapper_for(fake.fn)
+    fake, wrapped = FakeTE.with_wrapper(version)
     arguments = call_arguments(
         version, RAGGED, dqkv_quantizer=FakeQuantizer(columnwise=True, with_shape=with_shape)
     )

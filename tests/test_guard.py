@@ -97,8 +97,7 @@ def test_auto_passes_through_on_fixed_cudnn(
     Stack(monkeypatch, FIXED)
     monkeypatch.setattr(wrapper_module, "_device_index", read_device)
     monkeypatch.setenv("TE_GQA_FIX_GUARD", "strict")
-    fake = FakeTE("2.20")
-    wrapped = wrapper_for(fake.fn)
+    fake, wrapped = FakeTE.with_wrapper("2.20")
     with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
         for _ in range(3):
             fake.backend.reset()
@@ -118,8 +117,7 @@ def test_always_runs_the_post_pass_on_every_call_on_fixed_cudnn(
     call, not only the first: three calls, each checked against the oracle."""
     Stack(monkeypatch, FIXED)
     monkeypatch.setenv("TE_GQA_FIX", "always")
-    fake = FakeTE("2.20")
-    wrapped = wrapper_for(fake.fn)
+    fake, wrapped = FakeTE.with_wrapper("2.20")
     for i in range(3):
         fake.backend.reset()
         wrapped(**_args(head_dim=8, heads=heads))
@@ -145,8 +143,7 @@ def test_auto_repairs_where_cudnn_is_not_known_fixed(
     if guard is not None:
         monkeypatch.setenv("TE_GQA_FIX_GUARD", guard)
     asked = FakeFallback(monkeypatch, None).asked
-    fake = FakeTE("2.20")
-    wrapped = wrapper_for(fake.fn)
+    fake, wrapped = FakeTE.with_wrapper("2.20")
     with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
         for _ in range(2):
             fake.backend.reset()
@@ -166,8 +163,7 @@ def test_guard_warn_warns_once_and_keeps_tes_result(
     Stack(monkeypatch, AFFECTED)
     monkeypatch.setenv("TE_GQA_FIX_GUARD", "warn")
     asked = FakeFallback(monkeypatch, None).asked
-    fake = FakeTE("2.20")
-    wrapped = wrapper_for(fake.fn)
+    fake, wrapped = FakeTE.with_wrapper("2.20")
     with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
         for _ in range(3):
             fake.backend.reset()
@@ -188,8 +184,7 @@ def test_guard_warn_warns_once_and_keeps_tes_result(
 def test_guard_strict_raises_on_every_call(monkeypatch: pytest.MonkeyPatch, heads: dict) -> None:
     Stack(monkeypatch, AFFECTED)
     monkeypatch.setenv("TE_GQA_FIX_GUARD", "strict")
-    fake = FakeTE("2.20")
-    wrapped = wrapper_for(fake.fn)
+    fake, wrapped = FakeTE.with_wrapper("2.20")
     for _ in range(3):  # cached call shapes too
         with pytest.raises(UnrepairableConfiguration, match="head dim 256 on sm90"):
             wrapped(**_args(heads=heads))
@@ -223,8 +218,7 @@ def test_fallback_replaces_tes_call(
     if setting is not None:
         monkeypatch.setenv("TE_GQA_FIX_GUARD", setting)
     exact = FakeFallback(monkeypatch, None)
-    fake = FakeTE("2.20")
-    wrapped = wrapper_for(fake.fn)
+    fake, wrapped = FakeTE.with_wrapper("2.20")
     with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
         for i in range(2):
             exact.backend.reset()
@@ -253,8 +247,7 @@ def test_fallback_that_declines_raises_with_its_reason_and_the_remedy(
     TE's original never runs; the decision is made once per call shape."""
     Stack(monkeypatch, AFFECTED)
     exact = FakeFallback(monkeypatch, "dropout=0.1 (cuDNN's dropout mask cannot be replayed)")
-    fake = FakeTE("2.20")
-    wrapped = wrapper_for(fake.fn)
+    fake, wrapped = FakeTE.with_wrapper("2.20")
     for i in range(4):
         ragged = RAGGED if i % n_shapes == 0 else make_ragged([(2, 2), (0, 3)])
         with pytest.raises(UnrepairableConfiguration) as err:
@@ -287,8 +280,7 @@ def test_guard_setting_change_between_calls_takes_effect(
     """One call shape, the setting changed between calls: each call does what it says."""
     Stack(monkeypatch, AFFECTED)
     exact = FakeFallback(monkeypatch, None)
-    fake = FakeTE("2.20")
-    wrapped = wrapper_for(fake.fn)
+    fake, wrapped = FakeTE.with_wrapper("2.20")
     for mode in ("warn", "strict", "off", "fallback", "strict"):
         monkeypatch.setenv("TE_GQA_FIX_GUARD", mode)
         if mode == "strict":
@@ -308,8 +300,7 @@ def test_guard_counts_configurations_and_devices(
     stack = Stack(monkeypatch, AFFECTED)
     stack.facts[1] = RuntimeFacts(AMPERE, AFFECTED)
     monkeypatch.setenv("TE_GQA_FIX_GUARD", "warn")
-    fake = FakeTE("2.20")
-    wrapped = wrapper_for(fake.fn)
+    _, wrapped = FakeTE.with_wrapper("2.20")
     with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
         for head_dim, ragged in ((256, RAGGED), (256, RAGGED), (192, RAGGED)):
             wrapped(**call_arguments("2.20", ragged, head_dim=head_dim, **GQA))
@@ -364,8 +355,7 @@ def test_fixed_cudnn_still_wrong_at_256_128_goes_to_the_fallback(
     pass it through; the fallback serves it, and names the build measured right (9.27)."""
     Stack(monkeypatch, FIXED)
     asked = FakeFallback(monkeypatch, None).asked
-    fake = FakeTE("2.20")
-    wrapped = wrapper_for(fake.fn)
+    fake, wrapped = FakeTE.with_wrapper("2.20")
     with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
         wrapped(**_args(256, d_v=128, heads=heads))
         wrapped(**_args(256))  # 256/256 on a fixed cuDNN: passed through

@@ -72,8 +72,7 @@ def test_call_shape_checked_once_not_per_layer(monkeypatch: pytest.MonkeyPatch) 
     """First call: the inputs' check (q, k, v and the offsets) and the outputs' check; later
     calls with new tensors of the same metadata: none, and every call still fixed."""
     seen = _count_checks(monkeypatch)
-    fake = FakeTE("2.20")
-    wrapped = wrapper_for(fake.fn)
+    fake, wrapped = FakeTE.with_wrapper("2.20")
     for _ in range(4):
         fake.backend.reset()
         wrapped(**call_arguments("2.20", RAGGED))  # new tensors every call, as in training
@@ -118,8 +117,7 @@ def test_a_new_call_shape_is_checked_again_and_bad_input_never_cached(case: str)
     the bad one raises ValueError naming the argument, before TE runs, on every try (never
     cached); the good shape still works after it."""
     change, message = BAD[case]
-    fake = FakeTE("2.20")
-    wrapped = wrapper_for(fake.fn)
+    fake, wrapped = FakeTE.with_wrapper("2.20")
     wrapped(**call_arguments("2.20", RAGGED))
     for _ in range(2):
         bad = call_arguments("2.20", RAGGED)
@@ -154,8 +152,7 @@ CHANGES: List[Dict[str, Any]] = [
 def test_each_call_follows_every_change(version: str) -> None:
     """One wrapper, one call after another with the mask, window, diagonal flag, layout,
     batch or shapes changed: each call's rows match the oracle (a stale entry would not)."""
-    fake = FakeTE(version)
-    wrapped = wrapper_for(fake.fn)
+    fake, wrapped = FakeTE.with_wrapper(version)
     for change in CHANGES:
         change = dict(change)
         ragged = change.pop("ragged", RAGGED)
@@ -175,8 +172,7 @@ def test_unhashable_window_still_works() -> None:
     class Window(list):
         __hash__ = None  # type: ignore[assignment]
 
-    fake = FakeTE("2.20")
-    wrapped = wrapper_for(fake.fn)
+    fake, wrapped = FakeTE.with_wrapper("2.20")
     for _ in range(2):
         fake.backend.reset()
         args = call_arguments("2.20", RAGGED, attn_mask_type="padding")
@@ -189,8 +185,7 @@ def test_which_layout_argument_was_given_decides() -> None:
     """TE 2.20: ``dqkv_layout`` when the call gives it, else ``qkv_layout``. A call that
     gives ``dqkv_layout`` its default (``sbh3d``, not THD) must not reuse the entry of calls
     that left it out: nothing to do there."""
-    fake = FakeTE("2.20")
-    wrapped = wrapper_for(fake.fn)
+    fake, wrapped = FakeTE.with_wrapper("2.20")
     for _ in range(2):
         fake.backend.reset()
         arguments = call_arguments("2.20", RAGGED)
@@ -211,8 +206,7 @@ def test_positional_keyword_and_context_parallel_calls_share_nothing_stale(
 ) -> None:
     """All by keyword, TE's context-parallel shape (twelve by position, the rest by
     keyword) and all by position, three calls each: every call fixed."""
-    fake = FakeTE("2.20")
-    wrapped = wrapper_for(fake.fn)
+    fake, wrapped = FakeTE.with_wrapper("2.20")
     for _ in range(3):
         fake.backend.reset()
         args, kwargs = split_call(fake.names, call_arguments("2.20", RAGGED), n_positional)
@@ -225,8 +219,7 @@ def test_positional_keyword_and_context_parallel_calls_share_nothing_stale(
 
 
 def test_policy_change_between_calls_is_honoured(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = FakeTE("2.20")
-    wrapped = wrapper_for(fake.fn)
+    fake, wrapped = FakeTE.with_wrapper("2.20")
     mha = dict(heads_q=2, heads_kv=2)
     wrapped(**call_arguments("2.20", RAGGED, **mha, offsets_dtype=torch.int64))
     assert_untouched(fake.backend.outputs)
@@ -245,8 +238,7 @@ def test_policy_change_between_calls_is_honoured(monkeypatch: pytest.MonkeyPatch
 def test_validate_change_between_calls_is_honoured(monkeypatch: pytest.MonkeyPatch) -> None:
     """A cached call shape still reads TE_GQA_FIX_VALIDATE: turned on, the host check
     names the bad offset values in this call (off, the device verdict says less)."""
-    fake = FakeTE("2.20")
-    wrapped = wrapper_for(fake.fn)
+    _, wrapped = FakeTE.with_wrapper("2.20")
     wrapped(**call_arguments("2.20", RAGGED))
     bad = call_arguments("2.20", RAGGED)
     bad["cu_seqlens_kv"][2] = 100  # same metadata, values going back down after it
@@ -283,8 +275,7 @@ def test_new_output_metadata_is_checked_and_planned_again(
 
     monkeypatch.setattr(postpass, "prepare_kernel", plan)
     monkeypatch.setattr(postpass, "zero_checked", run)
-    fake = FakeTE("2.20")
-    wrapped = wrapper_for(fake.fn)
+    fake, wrapped = FakeTE.with_wrapper("2.20")
     for _ in range(2):
         fake.backend.reset()
         wrapped(**call_arguments("2.20", RAGGED))
@@ -320,8 +311,7 @@ def test_outputs_on_another_device_are_checked(
     """After a good call, TE returning one gradient on another device (same shape, strides
     and dtype) is checked as on a first call: the output key must hold every output's
     device, not only dK's. Such outputs pass through untouched, logged."""
-    fake = FakeTE("2.20")
-    wrapped = wrapper_for(fake.fn)
+    _, wrapped = FakeTE.with_wrapper("2.20")
     wrapped(**call_arguments("2.20", RAGGED))
     index = ("dq", "dk", "dv").index(name)
     _te_then(monkeypatch, lambda b, out: out.__setitem__(index, out[index].to("meta")))
@@ -336,8 +326,7 @@ def test_outputs_on_another_device_are_checked(
 def test_outputs_not_understood_pass_through_logged_once(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, returned: str
 ) -> None:
-    fake = FakeTE("2.20")
-    wrapped = wrapper_for(fake.fn)
+    fake, wrapped = FakeTE.with_wrapper("2.20")
     shaped = {"dict": lambda out: dict(enumerate(out)), "two": lambda out: out[:2],
               "none": lambda out: None, "grads-none": lambda out: [out[0], None, None],
               "dk-2d": lambda out: [out[0], out[1].flatten(1), *out[2:]]}[returned]  # fmt: skip
@@ -487,8 +476,7 @@ def test_the_bounded_cache_clears_and_decides_again(monkeypatch: pytest.MonkeyPa
     decided: List[tuple] = []
     real = wrapper_module._decide
     monkeypatch.setattr(wrapper_module, "_decide", lambda *a: decided.append(a) or real(*a))
-    fake = FakeTE("2.20")
-    wrapped = wrapper_for(fake.fn)
+    fake, wrapped = FakeTE.with_wrapper("2.20")
     shapes = [make_ragged([(n, n + 1), (0, 2)]) for n in (1, 2, 3, 4)]
     for ragged in (*shapes, shapes[0], shapes[3]):
         fake.backend.reset()

@@ -159,6 +159,14 @@ class FakeTE:
     def names(self) -> List[str]:
         return parameter_names(self.fn)
 
+    @classmethod
+    def with_wrapper(cls, version: str) -> Tuple[FakeTE, Callable[..., Any]]:
+        """A fake of ``version`` and te-gqa-fix's wrapper of its ``fused_attn_bwd``."""
+        from te_gqa_fix.wrapper import wrapper_for
+
+        fake = cls(version)
+        return fake, wrapper_for(fake.fn)
+
 
 def parameter_names(fn: Callable[..., Any]) -> List[str]:
     return list(inspect.signature(fn).parameters)
