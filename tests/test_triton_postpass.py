@@ -755,7 +755,6 @@ class _Subclass(torch.Tensor):
     pass
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize(
     "change, needle",
     [
@@ -763,19 +762,31 @@ class _Subclass(torch.Tensor):
         (lambda t: t.as_subclass(_Subclass), "not a plain"),
         (lambda t: t[:, :1].expand(t.shape[0], 4, t.shape[2]), "zero-stride"),
         (lambda t: t.reshape(t.shape[0], -1), "2-D"),
-        (lambda t: t.cpu(), "cpu"),
+        (lambda t: t.to("meta"), "meta"),
     ],
 )
-def test_gpu_declines_what_the_kernel_does_not_handle(change: Any, needle: str) -> None:
+def test_kernel_declines_what_it_does_not_handle(change: Any, needle: str) -> None:
+    """What the kernel takes, read from metadata (on CPU tensors: the CUDA check aside)."""
+    dq, dk, dv, *offs = _small_case()
+    cpu = torch.device("cpu")
+    assert launch._unfit(dq, dk, dv, tuple(offs), cpu) is None
+    assert launch._unfit(None, dk, dv, tuple(offs), cpu) is None  # no dQ: dK/dV alone
+    one_head = dk.as_strided((12, 1, 8), (8, 0, 1))  # a stride of 0 on a size-1 dim is no expand
+    assert launch._unfit(dq, one_head, dv, tuple(offs), cpu) is None
+    why = launch._unfit(dq, change(dk), dv, tuple(offs), cpu)
+    assert why is not None and needle in why, why
+    for bad in (offs[0].to(torch.int16), offs[0].to("meta")):
+        assert "offsets" in str(launch._unfit(dq, dk, dv, (bad, *offs[1:]), cpu))
+    if hasattr(torch, "float8_e4m3fn"):
+        assert "float8" in str(launch._unfit(dq, dk.to(torch.float8_e4m3fn), dv, tuple(offs), cpu))
+
+
+@pytest.mark.gpu
+def test_gpu_tensors_are_the_kernels() -> None:
     _need_cuda_triton()
     dq, dk, dv, *offs = (t.cuda() for t in _small_case())
     assert launch.unsupported(dq, dk, dv, tuple(offs)) is None
-    why = launch.unsupported(dq, change(dk), dv, tuple(offs))
-    assert why is not None and needle in why, why
-    bad_offsets = (offs[0].to(torch.int16), *offs[1:])
-    assert "offsets" in str(launch.unsupported(dq, dk, dv, bad_offsets))
-    if hasattr(torch, "float8_e4m3fn"):
-        assert "float8" in str(launch.unsupported(dq, dk.to(torch.float8_e4m3fn), dv, tuple(offs)))
+    assert "cpu" in str(launch.unsupported(dq, dk.cpu(), dv, tuple(offs)))
 
 
 @pytest.mark.gpu

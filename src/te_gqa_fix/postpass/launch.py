@@ -57,6 +57,13 @@ def unsupported(
     device = dk.device
     if device.type != "cuda":
         return f"device {device}"
+    return _unfit(dq, dk, dv, offsets, device)
+
+
+def _unfit(
+    dq: Optional[torch.Tensor], dk: torch.Tensor, dv: torch.Tensor, offsets: tuple, device
+) -> Optional[str]:
+    """Why these tensors, all meant to be on ``device``, are not what the kernel takes."""
     for t in (dk, dv) if dq is None else (dq, dk, dv):
         if type(t) not in _PLAIN:
             return f"{type(t).__name__} (not a plain torch.Tensor)"
