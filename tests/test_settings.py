@@ -64,6 +64,11 @@ def test_accepted_values(
     assert value == expected
 
 
+def test_a_shown_value_is_cut_past_80_characters_of_its_repr() -> None:
+    assert settings.shown(b"x" * 77) == repr(b"x" * 77)  # 80 characters: whole
+    assert settings.shown(b"x" * 78) == f"{repr(b'x' * 78)[:80]}...(81 chars)"
+
+
 @pytest.mark.parametrize("module", [settings, cudnn, autopatch, validation])
 def test_every_exported_name_exists(module) -> None:
     assert module.__all__ and all(hasattr(module, n) for n in module.__all__)

@@ -24,6 +24,7 @@ import logging
 import random
 import sys
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import pytest
@@ -779,6 +780,27 @@ def test_kernel_declines_what_it_does_not_handle(change: Any, needle: str) -> No
         assert "offsets" in str(launch._unfit(dq, dk, dv, (bad, *offs[1:]), cpu))
     if hasattr(torch, "float8_e4m3fn"):
         assert "float8" in str(launch._unfit(dq, dk.to(torch.float8_e4m3fn), dv, tuple(offs), cpu))
+
+
+def test_launch_sizing_reads_the_tensors_gpu_and_the_offsets_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The SM count of the gradients' GPU (or the current one), and the compare path up to
+    COMPARE_MAX_OFFSETS offsets, binary search beyond: both from metadata, on CPU."""
+    asked: List[int] = []
+    props = lambda i: asked.append(i) or SimpleNamespace(multi_processor_count=100 + i)  # noqa: E731
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    launch._sm_count.cache_clear()
+    try:
+        got = [launch._sm_count(torch.device(d)) for d in ("cuda:1", "cuda", "cpu")]
+    finally:
+        launch._sm_count.cache_clear()
+    assert got == [101, 103, 1] and asked == [1, 3]
+    _, dk, dv, *_ = _small_case()
+    for n_offsets, search in ((launch.COMPARE_MAX_OFFSETS, False), (launch.COMPARE_MAX_OFFSETS + 1, True)):  # fmt: skip
+        offs = (torch.zeros(n_offsets, dtype=torch.int32),) * 2 + (None, None)
+        assert launch.prepare(None, dk, dv, offs, key_span("padding")).meta["SEARCH"] is search
 
 
 @pytest.mark.gpu
