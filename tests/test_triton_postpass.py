@@ -791,12 +791,9 @@ def test_launch_sizing_reads_the_tensors_gpu_and_the_offsets_count(
     props = lambda i: asked.append(i) or SimpleNamespace(multi_processor_count=100 + i)  # noqa: E731
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(torch.cuda, "get_device_properties", props)
-    launch._sm_count.cache_clear()
-    try:
-        got = [launch._sm_count(torch.device(d)) for d in ("cuda:1", "cuda", "cpu")]
-    finally:
-        launch._sm_count.cache_clear()
-    assert got == [101, 103, 1] and asked == [1, 3]
+    sm_count = launch._sm_count.__wrapped__  # not the cache
+    assert [sm_count(torch.device(d)) for d in ("cuda:1", "cuda", "cpu")] == [101, 103, 1]
+    assert asked == [1, 3]
     _, dk, dv, *_ = _small_case()
     for n_offsets, search in ((launch.COMPARE_MAX_OFFSETS, False), (launch.COMPARE_MAX_OFFSETS + 1, True)):  # fmt: skip
         offs = (torch.zeros(n_offsets, dtype=torch.int32),) * 2 + (None, None)
