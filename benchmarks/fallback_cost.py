@@ -9,16 +9,15 @@ DotProductAttention passes them): FlashAttention-2 fed TE's ``out`` and softmax 
 then the post-pass, with one offsets tensor for q and kv (self-attention) and with two
 (top-left causal across two offsets tensors, as TE's context-parallel steps pass them: one
 backward on the keys moved to their queries' rows), each not deterministic and
-deterministic; and the fallback recomputing the forward (statistics of an unknown layout:
-two calls for the split). Without padding, the valid offsets are passed as the padded
-ones, as DotProductAttention passes them.
+deterministic; and the fallback recomputing the forward (statistics of an unknown layout).
+Without padding, the valid offsets are passed as the padded ones, as DotProductAttention
+passes them.
 
 Two timings per row, CUDA events after a warm-up, medians over ``--reps`` rounds in which
 the variants take turns: ``synced``, one call between two events and a sync (what one call
 costs the GPU's timeline, host time before its first kernel included), and
 ``back-to-back``, blocks of 10 calls between two events (what a step costs where the GPU,
-not the host, is the bottleneck). A row that runs
-out of memory is recorded with its error.
+not the host, is the bottleneck). A row that runs out of memory is recorded with its error.
 
     python3 benchmarks/fallback_cost.py --out fallback_cost.json [--reps 20]
 """
