@@ -450,8 +450,7 @@ def test_public_module_reports_status(
 def test_installed_distribution_ships_the_start_up_file() -> None:
     """That it works at interpreter start: test_set_patches_when_te_is_imported_later."""
     dist = _installed_distribution()
-    assert dist is not None
-    files = {str(f): f for f in (dist.files or [])}
+    files = {str(f): f for f in (dist.files or [])}  # type: ignore[union-attr]
     assert boot.PTH_NAME in files, (
         f"{boot.PTH_NAME} is not among the installed files of te-gqa-fix: the install "
         f"predates it; reinstall (pip install -e .)"

@@ -26,7 +26,6 @@ from fakes.te_outputs import FakeFloat8, FakeTE, call_arguments
 from te_gqa_fix import postpass, validation, zero_dead_rows
 from te_gqa_fix.postpass import dead_row_masks, launch, offset_errors
 from te_gqa_fix.postpass.offset_errors import OffsetsError
-from te_gqa_fix.wrapper import _new_wrapper as make_wrapper
 
 I32 = torch.int32
 
@@ -57,7 +56,6 @@ OFFS = dict(
     cu_seqlens_kv_padded=_t([1, 5, 7, 9]),
 )
 META = torch.device("meta")
-_OFFSET_NAMES = tuple(OFFS)
 Edit = Callable[[Dict[str, Any]], Any]
 
 
@@ -155,18 +153,16 @@ SHARED = {
     # Mask arguments.
     "mask_typo": (_set(attn_mask_type="padding_casual"), ValueError, "attn_mask_type: expected"),
     "mask_none": (_set(attn_mask_type=None), ValueError, "attn_mask_type: expected"),
-    "window_below": (_set(window_size=(-5, 0)), ValueError, "window_size: expected"),
-    "window_three": (_set(window_size=(1, 2, 3)), ValueError, "window_size: expected"),
-    "window_float": (_set(window_size=(1.5, 0)), ValueError, "window_size: expected"),
-    "window_float_int": (_set(window_size=(2.0, 0)), ValueError, "window_size: expected"),
-    "window_bool_right": (_set(window_size=(2, True)), ValueError, "window_size: expected"),
-    "window_bool_left": (_set(window_size=(True, 2)), ValueError, "window_size: expected"),
-    "window_2**63": (_set(window_size=(2**63, 0)), ValueError, "window_size: expected"),
-    "window_2**31": (_set(window_size=(0, 2**31)), ValueError, "window_size: expected"),
+    **{f"window_{name}": (_set(window_size=w), ValueError, "window_size: expected") for name, w in (
+        ("below", (-5, 0)), ("three", (1, 2, 3)), ("float", (1.5, 0)), ("float_int", (2.0, 0)),
+        ("bool_right", (2, True)), ("bool_left", (True, 2)), ("2**63", (2**63, 0)), ("2**31", (0, 2**31)))},
     "brd_string": (_set(bottom_right_diagonal="false"), ValueError, "bottom_right_diagonal: exp"),
     "brd_int": (_set(bottom_right_diagonal=1), ValueError, "bottom_right_diagonal: expected"),
 }  # fmt: skip
 
+_DV_APART = "dv: expected memory separate from dk's"
+_NO_GRAD = "dv: expected a gradient that does not require grad"
+_IN_PLACE = "dk: expected a torch.Tensor whose rows can be zeroed in place"
 ZERO_DEAD_ROWS = {
     **SHARED,
     "impl": (_set(impl="gpu"), ValueError, "impl: expected 'auto', 'torch' or 'triton', got 'gpu'"),
@@ -197,11 +193,9 @@ ZERO_DEAD_ROWS = {
     "rows_overlap": (_set(dk=torch.randn(10, 1, 2), dv=torch.randn(40).as_strided((10, 1, 2), (2, 1, 2))),
                      ValueError, "dv: expected token rows that do not share memory"),
     "dv_is_dk": (_set(cu_seqlens_kv=_t([0, 1, 1, 1]), cu_seqlens_kv_padded=None, dk=_ONE, dv=_ONE),
-                 ValueError, "dv: expected memory separate from dk's"),
-    "dv_shifted_right": (_views((10, 2, 3), lambda b: dict(dk=b[..., :2], dv=b[..., 1:])),
-                         ValueError, "dv: expected memory separate from dk's"),
-    "dv_shifted_left": (_views((10, 2, 3), lambda b: dict(dk=b[..., 1:], dv=b[..., :2])),
-                        ValueError, "dv: expected memory separate from dk's"),
+                 ValueError, _DV_APART),
+    "dv_shifted_right": (_views((10, 2, 3), lambda b: dict(dk=b[..., :2], dv=b[..., 1:])), ValueError, _DV_APART),
+    "dv_shifted_left": (_views((10, 2, 3), lambda b: dict(dk=b[..., 1:], dv=b[..., :2])), ValueError, _DV_APART),
     "dq_dk_overlap": (_views((10, 6, 2), lambda b: dict(dq=b[:5, :4], dk=b[:, 3:5])), ValueError,
                       "dk: expected memory separate from dq's"),
     "dq_dk_column": (_views((10, 4, 2), lambda b: dict(dq=b[:5, :, :1], dk=b[:, :1],
@@ -212,32 +206,26 @@ ZERO_DEAD_ROWS = {
     # Overlaps only an exact range test, the stride check or the dtype check catches.
     "dv_shares_one_element": (_set(dk=_BASE[:40].view(10, 2, 2),
                                    dv=_BASE.as_strided((10, 2, 2), (4, 1, 2), 39)),
-                              ValueError, "dv: expected memory separate from dk's"),
+                              ValueError, _DV_APART),
     "dv_other_row_stride": (_set(dk=_BASE.as_strided((10, 2, 2), (8, 2, 1), 0),
                                  dv=_BASE.as_strided((10, 2, 2), (12, 2, 1), 4)),
-                            ValueError, "dv: expected memory separate from dk's"),
+                            ValueError, _DV_APART),
     "dv_other_dtype": (_set(dk=_BASE.as_strided((10, 2, 2), (8, 2, 1), 0),
                             dv=_BASE.view(torch.float16).as_strided((10, 2, 2), (8, 2, 1), 8)),
-                       ValueError, "dv: expected memory separate from dk's"),
-    "dv_requires_grad": (_set(dv=lambda a: a["dv"].requires_grad_()), ValueError,
-                         "dv: expected a gradient that does not require grad"),
-    "dv_parameter": (_set(dv=lambda a: torch.nn.Parameter(a["dv"])), ValueError,
-                     "dv: expected a gradient that does not require grad"),
+                       ValueError, _DV_APART),
+    "dv_requires_grad": (_set(dv=lambda a: a["dv"].requires_grad_()), ValueError, _NO_GRAD),
+    "dv_parameter": (_set(dv=lambda a: torch.nn.Parameter(a["dv"])), ValueError, _NO_GRAD),
     "dv_view_of_leaf": (_set(dv=lambda a: torch.randn(10, 4, 2, requires_grad=True)[:, :2]),
-                        ValueError, "dv: expected a gradient that does not require grad"),
+                        ValueError, _NO_GRAD),
     "dv_inference": (_set(dv=_inference), ValueError,
                      "dv: expected a normal tensor, got an inference tensor outside inference"),
-    "dk_fp8_live_transpose": (
-        _set(dk=lambda a: FakeFloat8(torch.zeros(10, 2, 2, dtype=torch.uint8), torch.zeros(1))),
-        ValueError, "dk: expected a torch.Tensor whose rows can be zeroed in place"),
-    "dk_fp8_not_bytes": (_set(dk=lambda a: FakeFloat8(a["dk"])), ValueError,
-                         "dk: expected a torch.Tensor whose rows can be zeroed in place"),
-    "dk_dispatching_subclass": (_set(dk=lambda a: _Dispatching(a["dk"])), ValueError,
-                                "dk: expected a torch.Tensor whose rows can be zeroed in place"),
-    "dk_sparse_subclass": (_set(dk=lambda a: torch.Tensor._make_subclass(_Plain, a["dk"].to_sparse())), ValueError,
-                           "dk: expected a torch.Tensor whose rows can be zeroed in place"),
-    "dk_sparse": (_set(dk=lambda a: a["dk"].to_sparse()), ValueError,
-                  "dk: expected a torch.Tensor whose rows can be zeroed in place"),
+    "dk_fp8_live_transpose": (_set(dk=lambda a: FakeFloat8(torch.zeros(10, 2, 2, dtype=torch.uint8),
+                                                           torch.zeros(1))), ValueError, _IN_PLACE),
+    "dk_fp8_not_bytes": (_set(dk=lambda a: FakeFloat8(a["dk"])), ValueError, _IN_PLACE),
+    "dk_dispatching_subclass": (_set(dk=lambda a: _Dispatching(a["dk"])), ValueError, _IN_PLACE),
+    "dk_sparse_subclass": (_set(dk=lambda a: torch.Tensor._make_subclass(_Plain, a["dk"].to_sparse())),
+                           ValueError, _IN_PLACE),
+    "dk_sparse": (_set(dk=lambda a: a["dk"].to_sparse()), ValueError, _IN_PLACE),
 }  # fmt: skip
 
 
@@ -307,16 +295,6 @@ def test_rows_up_to_the_int32_limit_are_accepted() -> None:
 def test_check_offset_errors_bad_input(device: Any) -> None:
     with pytest.raises(ValueError, match=r"^device: expected None \(every device\), a torch"):
         te_gqa_fix.check_offset_errors(device)
-
-
-def test_check_offset_errors_on_cuda_without_a_cuda_call_is_quiet() -> None:
-    # On a CPU-only torch nothing can have been recorded on CUDA: a quiet return, while a
-    # CPU record still raises for "cpu" and for every device.
-    offset_errors.kernel_flag(torch.device("cpu"))[0] = 1
-    for device in ("cuda", torch.device("cuda"), "meta"):
-        te_gqa_fix.check_offset_errors(device, synchronize=True)
-    with pytest.raises(OffsetsError, match=r"^cu_seqlens_q: "):
-        te_gqa_fix.check_offset_errors()
 
 
 # ------------------------------------------------------------- what the public API zeroes
@@ -440,14 +418,19 @@ def test_a_recorded_error_surfaces_at_the_next_call_and_is_cleared() -> None:
     assert all(torch.equal(x, y) for x, y in zip(before, _snapshot(call)))
     zero_dead_rows(**call, impl="torch")
     word[0] = offset_errors.ARGUMENT_BITS["cu_seqlens_q"]
+    # On a CPU-only torch nothing can have been recorded on CUDA: a quiet return.
+    for device in ("cuda", torch.device("cuda"), "meta"):
+        te_gqa_fix.check_offset_errors(device, synchronize=True)
     with pytest.raises(OffsetsError, match=r"^cu_seqlens_q: impossible offsets in a te-gqa-fix"):
         te_gqa_fix.check_offset_errors("cpu")
+    word[0] = offset_errors.ARGUMENT_BITS["cu_seqlens_q"]
+    with pytest.raises(OffsetsError, match=r"^cu_seqlens_q: "):  # and for every device
+        te_gqa_fix.check_offset_errors()
     te_gqa_fix.check_offset_errors()  # cleared
 
 
 def test_the_wrapper_surfaces_a_recorded_error() -> None:
-    fake = FakeTE("2.20")
-    wrapped = make_wrapper(fake.fn)
+    _, wrapped = FakeTE.with_wrapper("2.20")
     ragged = make_ragged([(2, 3), (0, 2)], gaps_kv=[1, 0])
     offset_errors.kernel_flag(torch.device("cpu"))[0] = 2
     with pytest.raises(OffsetsError, match=r"^cu_seqlens_kv: impossible offsets"):
@@ -471,8 +454,7 @@ def test_arbitrary_mask_is_the_explicit_conservative_set() -> None:
 def test_wrapper_keeps_conservative_set_for_unknown_masks_and_warns(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    fake = FakeTE("2.20")
-    wrapped = make_wrapper(fake.fn)
+    _, wrapped = FakeTE.with_wrapper("2.20")
     ragged = make_ragged([(2, 3), (0, 2)], gaps_kv=[1, 0])
     for mask, window in (("padding_casual", (-1, -1)), ("padding", (2**40, 0))):
         arguments = call_arguments("2.20", ragged, attn_mask_type=mask)

@@ -66,10 +66,7 @@ def test_host_timing_measures_the_modes_it_names(monkeypatch: pytest.MonkeyPatch
         "cu_seqlens_q_padded": torch.tensor(b["pad"], **i32),
         "cu_seqlens_kv_padded": torch.tensor(b["pad"], **i32),
     }
-    q, k = (
-        torch.randn(512, 4, 8, dtype=torch.bfloat16),
-        torch.randn(512, 2, 8, dtype=torch.bfloat16),
-    )
+    q, k = (torch.randn(512, heads, 8, dtype=torch.bfloat16) for heads in (4, 2))
     kw = by_name(
         te,
         max_seqlen_q=256,

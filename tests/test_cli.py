@@ -55,7 +55,9 @@ def run_plan_json(capsys: pytest.CaptureFixture, args: List[str]) -> Dict[str, A
 def check_side(side: Dict[str, Any], runs: Runs, kept: Tuple[str, ...]) -> None:
     codes, _ = expand(runs, side["rows"])
     assert side["row_codes"] == codes  # row by row
-    assert side["zeroed_rows"] == [i for i, c in enumerate(codes) if c not in kept]
+    zeroed = [i for i, c in enumerate(codes) if c not in kept]
+    assert side["zeroed_rows"] == zeroed and side["zeroed"] == len(zeroed)
+    assert side["kept"] == side["rows"] - len(zeroed)
     got_runs = [(r["start"], r["stop"] - 1, r["code"], r["sequence"]) for r in side["runs"]]
     assert got_runs == list(runs)
     for r in side["runs"]:
@@ -82,15 +84,6 @@ SEED_Q: Runs = [
     (4, 6, "valid_query", 1),
     (7, 11, "padding", 1),
 ]
-
-
-def test_plan_seed_case_row_by_row(capsys: pytest.CaptureFixture) -> None:
-    out = run_plan_json(capsys, SEED_ARGS)
-    check_side(out["dkv"], SEED_KV, ("attended",))
-    check_side(out["dq"], SEED_Q, ("valid_query",))
-    assert out["consistent"] is True
-    assert out["sequences"][1]["attended_keys"] == [0, 3]
-    assert out["dkv"]["zeroed"] == 9 and out["dkv"]["kept"] == 3
 
 
 def test_plan_seed_case_text(capsys: pytest.CaptureFixture) -> None:
@@ -133,12 +126,6 @@ CP_STEP_Q: Runs = [
 ]
 
 
-def test_plan_context_parallel_step_row_by_row(capsys: pytest.CaptureFixture) -> None:
-    out = run_plan_json(capsys, CP_STEP_ARGS)
-    check_side(out["dkv"], CP_STEP_KV, ("attended",))
-    check_side(out["dq"], CP_STEP_Q, ("valid_query",))
-
-
 # The whole CP batch seen by one step with per-sequence query counts (some 0), top-left
 # causal, and 4 tail rows past the last offset in both buffers.
 CP_GLOBAL_ARGS = [
@@ -175,38 +162,46 @@ CP_GLOBAL_Q: Runs = [
 ]
 
 
-def test_plan_context_parallel_batch_with_tail_row_by_row(capsys: pytest.CaptureFixture) -> None:
-    out = run_plan_json(capsys, CP_GLOBAL_ARGS)
-    check_side(out["dkv"], CP_GLOBAL_KV, ("attended",))
-    check_side(out["dq"], CP_GLOBAL_Q, ("valid_query",))
+# Sequence 0: 4 queries, 6 keys, bottom-right, window (1, 0): query i attends keys
+# i+1..i+2, so keys 1-5; key 0 is outside. Sequence 1: 2 queries, no keys.
+# Two rows before the first sequence in each buffer.
+WINDOW_ARGS = [
+    "--cu-seqlens-q", "0,4,6", "--padded-q", "2,6,8",
+    "--cu-seqlens-kv", "0,6,6", "--padded-kv", "2,8,10",
+    "--mask", "padding_causal_bottom_right", "--window", "1,0",
+]  # fmt: skip
+WINDOW_KV: Runs = [
+    (0, 1, "before_first", None),
+    (2, 2, "outside_window", 0),
+    (3, 7, "attended", 0),
+    (8, 9, "padding", 1),  # sequence 1 has no keys: its 2 rows are padding
+]
+WINDOW_Q: Runs = [
+    (0, 1, "before_first", None),
+    (2, 5, "valid_query", 0),
+    (6, 7, "no_keys", 1),
+]
 
 
-def test_plan_sliding_window_and_rows_before_the_first_sequence(
-    capsys: pytest.CaptureFixture,
+@pytest.mark.parametrize(
+    "args, kv, q, bottom_right",
+    [
+        (SEED_ARGS, SEED_KV, SEED_Q, False),
+        (CP_STEP_ARGS, CP_STEP_KV, CP_STEP_Q, False),
+        (CP_GLOBAL_ARGS, CP_GLOBAL_KV, CP_GLOBAL_Q, False),
+        (WINDOW_ARGS, WINDOW_KV, WINDOW_Q, True),
+    ],
+    ids=["seed", "cp-step", "cp-batch-with-tail", "sliding-window-and-rows-before-the-first"],
+)
+def test_plan_row_by_row(
+    capsys: pytest.CaptureFixture, args: List[str], kv: Runs, q: Runs, bottom_right: bool
 ) -> None:
-    # Sequence 0: 4 queries, 6 keys, bottom-right, window (1, 0): query i attends keys
-    # i+1..i+2, so keys 1-5; key 0 is outside. Sequence 1: 2 queries, no keys.
-    # Two rows before the first sequence in each buffer.
-    args = [
-        "--cu-seqlens-q", "0,4,6", "--padded-q", "2,6,8",
-        "--cu-seqlens-kv", "0,6,6", "--padded-kv", "2,8,10",
-        "--mask", "padding_causal_bottom_right", "--window", "1,0",
-    ]  # fmt: skip
     out = run_plan_json(capsys, args)
-    kv: Runs = [
-        (0, 1, "before_first", None),
-        (2, 2, "outside_window", 0),
-        (3, 7, "attended", 0),
-        (8, 9, "padding", 1),  # sequence 1 has no keys: its 2 rows are padding
-    ]
-    q: Runs = [
-        (0, 1, "before_first", None),
-        (2, 5, "valid_query", 0),
-        (6, 7, "no_keys", 1),
-    ]
     check_side(out["dkv"], kv, ("attended",))
     check_side(out["dq"], q, ("valid_query",))
-    assert out["span"]["bottom_right"] is True and out["span"]["top_left"] is False
+    assert out["consistent"] is True
+    span = out["span"]
+    assert span["bottom_right"] is bottom_right and span["top_left"] is not bottom_right
 
 
 def test_plan_from_json_file_matches_flags(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -228,6 +223,7 @@ def test_plan_from_json_file_matches_flags(tmp_path: Path, capsys: pytest.Captur
     from_flags = run_plan_json(capsys, [*SEED_ARGS, "--bottom-right-diagonal", "false"])
     assert from_file == from_flags
     check_side(from_file["dkv"], SEED_KV, ("attended",))
+    assert from_file["sequences"][1]["attended_keys"] == [0, 3]
     text = '{"cu_seqlens_q": [0, 3], "cu_seqlens_kv": [0, 6], "bottom_right_diagonal": true}'
     assert plan_module.plan_from_json(text).bottom_right_diagonal is True
 

@@ -34,8 +34,6 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 PTH = SRC / "te_gqa_fix_autopatch.pth"
 
-needs_cc = pytest.mark.skipif(fb.compiler() is None, reason="needs a C compiler")
-
 
 @pytest.fixture(autouse=True)
 def _fresh_route():
@@ -47,7 +45,8 @@ def _fresh_route():
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
     """Four wheel sites (9.14 by header, 9.19 by metadata, 9.20 in TE's cu13 layout, one
-    without a version) and a system build 9.14 with versioned file names."""
+    without a version) and a system build 9.14 with versioned file names; the tests that
+    load them skip without a C compiler."""
     if fb.compiler() is None:
         pytest.skip("needs a C compiler")
     base = tmp_path_factory.mktemp("cudnn")
@@ -417,7 +416,6 @@ GLOBAL_VERSION = (
 )
 
 
-@needs_cc
 @pytest.mark.parametrize("preload", [True, False])
 def test_the_first_global_copy_wins(builds: Dict[str, Path], tmp_path: Path, preload: bool) -> None:
     """What the route relies on: loaded first, the fixed build answers even after the
@@ -439,7 +437,6 @@ def test_the_first_global_copy_wins(builds: Dict[str, Path], tmp_path: Path, pre
     assert f"GLOBAL {91900 if preload else 91400}" in proc.stdout
 
 
-@needs_cc
 def test_refuses_once_a_cudnn_is_loaded(builds: Dict[str, Path], tmp_path: Path) -> None:
     """Three files of another build are named, a fourth as "..."; the same build twice is
     fine; asking a library its version never loads it."""
@@ -467,7 +464,7 @@ def test_refuses_once_a_cudnn_is_loaded(builds: Dict[str, Path], tmp_path: Path)
     assert "SAME OK" in proc.stdout
 
 
-@needs_cc
+@pytest.mark.skipif(fb.compiler() is None, reason="needs a C compiler")
 @pytest.mark.parametrize(
     "version, suffix, strict, printed",
     [
@@ -502,14 +499,14 @@ def test_a_version_learned_by_loading_is_checked(
 # ----------------------------------------------------------------------------- start-up hook
 
 
-def _hook_env(builds: Dict[str, Path], tmp_path: Path, **env: str) -> Dict[str, str]:
+def _hook_env(builds: Dict[str, Path], tmp_path: Path, wheel: str, **env: str) -> Dict[str, str]:
     fake = fb.loader_te(tmp_path / "fake_te")
     site_dir = tmp_path / "site_dir"
     site_dir.mkdir(exist_ok=True)
     shutil.copy(PTH, site_dir / PTH.name)
     return {
-        # the fixed wheel build is on sys.path, as an environment's site-packages is
-        "PYTHONPATH_FIRST": os.pathsep.join([str(fake), str(builds["fixed"])]),
+        # a wheel build is on sys.path, as an environment's site-packages is
+        "PYTHONPATH_FIRST": os.pathsep.join([str(fake), str(builds[wheel])]),
         "FAKE_TE_SYSTEM_CUDNN": str(builds["system"] / "lib" / "libcudnn.so.9"),
         "SITE_DIR": str(site_dir),
         **env,
@@ -545,7 +542,6 @@ def probe(proc: subprocess.CompletedProcess) -> dict:
     return json.loads(lines[0][len("PROBE") :])
 
 
-@needs_cc
 @pytest.mark.parametrize("value", ["auto", "strict", "auto, and TE_GQA_FIX_AUTOPATCH=1"])
 def test_auto_loads_the_fixed_build_before_te_and_te_runs_it(
     builds: Dict[str, Path], tmp_path: Path, value: str
@@ -553,7 +549,7 @@ def test_auto_loads_the_fixed_build_before_te_and_te_runs_it(
     """With the patch too, as a job that wants both (the patch hook fires on a fake TE
     without the symbol), the route still loads the fixed build before TE."""
     both = {"TE_GQA_FIX_AUTOPATCH": "1"} if "AUTOPATCH" in value else {}
-    env = _hook_env(builds, tmp_path, **{cudnn.ENV_CUDNN: value.split(",")[0], **both})
+    env = _hook_env(builds, tmp_path, "fixed", **{cudnn.ENV_CUDNN: value.split(",")[0], **both})
     proc = run_python(PROBE, env, tmp_path)
     out = probe(proc)
     # At start-up only the stdlib hook and the settings are imported, nothing is loaded yet.
@@ -571,25 +567,21 @@ def test_auto_loads_the_fixed_build_before_te_and_te_runs_it(
     assert "loaded cuDNN 9.19.0" in proc.stdout
 
 
-@needs_cc
 def test_auto_with_no_fixed_build_logs_and_te_keeps_its_cudnn(
     builds: Dict[str, Path], tmp_path: Path
 ) -> None:
     """Strict: test_strict_failure_stays_a_failure_on_every_import."""
-    env = _hook_env(builds, tmp_path, **{cudnn.ENV_CUDNN: "auto"})
-    env["PYTHONPATH_FIRST"] = os.pathsep.join([str(tmp_path / "fake_te"), str(builds["old"])])
+    env = _hook_env(builds, tmp_path, "old", **{cudnn.ENV_CUDNN: "auto"})
     proc = run_python(PROBE, env, tmp_path)
     assert probe(proc)["te"] == [9, 14, 0]
     assert "found no cuDNN >= 9.18" in proc.stdout and "9.14.0" in proc.stdout
 
 
-@needs_cc
 def test_strict_failure_stays_a_failure_on_every_import(
     builds: Dict[str, Path], tmp_path: Path
 ) -> None:
     """A strict route that failed once must not let a retried import go on silently."""
-    env = _hook_env(builds, tmp_path, **{cudnn.ENV_CUDNN: "strict"})
-    env["PYTHONPATH_FIRST"] = os.pathsep.join([str(tmp_path / "fake_te"), str(builds["old"])])
+    env = _hook_env(builds, tmp_path, "old", **{cudnn.ENV_CUDNN: "strict"})
     code = (
         "import os, site\nsite.addsitedir(os.environ['SITE_DIR'])\n"
         "for attempt in (1, 2):\n"

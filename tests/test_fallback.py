@@ -206,10 +206,8 @@ def _call(
     return {**call, **extra}
 
 
-def _batch(lq, lk, heads=(4, 2), dim=8, seed=0, **kw) -> ThdBatch:
-    batch = make_batch(
-        lq, lk, heads_q=heads[0], heads_kv=heads[1], head_dim=dim, dtype=torch.float32, **kw
-    )
+def _batch(lq, lk, heads=(4, 2), dim=8, seed=0, dtype=torch.float32, **kw) -> ThdBatch:
+    batch = make_batch(lq, lk, heads_q=heads[0], heads_kv=heads[1], head_dim=dim, dtype=dtype, **kw)
     random_inputs(batch, device="cpu", seed=seed)
     return batch
 
@@ -493,9 +491,7 @@ def test_packed_layouts_come_back_as_views_of_one_buffer(emulated, layout) -> No
 
 # ----------------------------------------------------------------------------- why_not
 def _half_call(**extra: Any) -> Dict[str, Any]:
-    batch = make_batch([3, 2], [3, 4], heads_q=4, heads_kv=2, head_dim=8, dtype=torch.bfloat16)
-    random_inputs(batch, device="cpu")
-    return _call(batch, **extra)
+    return _call(_batch([3, 2], [3, 4], dtype=torch.bfloat16), **extra)
 
 
 @pytest.mark.parametrize(

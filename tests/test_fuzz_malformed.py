@@ -104,24 +104,11 @@ def _mask_valid(mask: object, window: object, brd: object) -> bool:
     return mask_ok and window_ok and (brd is None or isinstance(brd, bool))
 
 
-def _oracle_ragged(
-    cu_q: Sequence[int],
-    cu_kv: Sequence[int],
-    pad_q: Optional[Sequence[int]],
-    pad_kv: Optional[Sequence[int]],
-    rows_q: int,
-    rows_kv: int,
-) -> Ragged:
-    lq = tuple(b - a for a, b in zip(cu_q, cu_q[1:]))
-    lk = tuple(b - a for a, b in zip(cu_kv, cu_kv[1:]))
-    return Ragged(
-        lq,
-        lk,
-        tuple(pad_q if pad_q is not None else cu_q),
-        tuple(pad_kv if pad_kv is not None else cu_kv),
-        rows_q,
-        rows_kv,
-    )
+def _oracle_ragged(cu_q: List[int], cu_kv: List[int], pad_q, pad_kv, rows_q: int, rows_kv: int):
+    """The batch the offsets describe (padded offsets None: the valid ones)."""
+    lengths = [tuple(b - a for a, b in zip(cu, cu[1:])) for cu in (cu_q, cu_kv)]
+    pads = [tuple(cu if pad is None else pad) for cu, pad in ((cu_q, pad_q), (cu_kv, pad_kv))]
+    return Ragged(*lengths, *pads, rows_q, rows_kv)
 
 
 def _names_an_argument(exc: BaseException) -> bool:

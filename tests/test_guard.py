@@ -109,48 +109,37 @@ def test_auto_passes_through_on_fixed_cudnn(
     assert call_counts() == {"calls": 3, "fixed": 0, "skipped": 3, "passthrough": 0, "fallback": 0}
 
 
-@pytest.mark.parametrize("heads", [GQA, MHA], ids=["gqa", "mha"])
-def test_always_runs_the_post_pass_on_every_call_on_fixed_cudnn(
-    monkeypatch: pytest.MonkeyPatch, heads: dict
-) -> None:
-    """Issue 26 (mutant W08): ``always`` on a fixed cuDNN runs the post-pass on every
-    call, not only the first: three calls, each checked against the oracle."""
-    Stack(monkeypatch, FIXED)
-    monkeypatch.setenv("TE_GQA_FIX", "always")
-    fake, wrapped = FakeTE.with_wrapper("2.20")
-    for i in range(3):
-        fake.backend.reset()
-        wrapped(**_args(head_dim=8, heads=heads))
-        assert_post_pass(fake.backend.outputs, RAGGED, "padding_causal", (-1, -1), None)
-        assert call_counts()["fixed"] == i + 1
-    assert call_counts() == {"calls": 3, "fixed": 3, "skipped": 0, "passthrough": 0, "fallback": 0}
-
-
 @pytest.mark.parametrize(
-    ("cudnn", "capability", "guard", "head_dim"),
-    [(AFFECTED, HOPPER, None, 128), (None, HOPPER, None, 128), (FIXED, None, None, 128),
-     (AFFECTED, AMPERE, None, 128), (AFFECTED, HOPPER, "off", 256)],
-    ids=["affected", "cudnn-unknown", "gpu-unknown", "ampere", "guard-off-256"],
+    ("cudnn", "capability", "env", "head_dim", "heads"),
+    [(AFFECTED, HOPPER, {}, 128, GQA), (None, HOPPER, {}, 128, GQA), (FIXED, None, {}, 128, GQA),
+     (AFFECTED, AMPERE, {}, 128, GQA), (AFFECTED, HOPPER, {"TE_GQA_FIX_GUARD": "off"}, 256, GQA),
+     (FIXED, HOPPER, {"TE_GQA_FIX": "always"}, 8, GQA),
+     (FIXED, HOPPER, {"TE_GQA_FIX": "always"}, 8, MHA)],
+    ids=["affected", "cudnn-unknown", "gpu-unknown", "ampere", "guard-off-256",
+         "always-on-fixed-gqa", "always-on-fixed-mha"],
 )  # fmt: skip
-def test_auto_repairs_where_cudnn_is_not_known_fixed(
+def test_post_pass_on_every_call_where_cudnn_is_not_known_fixed_or_always(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, cudnn: Optional[tuple],
-    capability: Optional[tuple], guard: Optional[str], head_dim: int,
+    capability: Optional[tuple], env: Dict[str, str], head_dim: int, heads: dict,
 ) -> None:  # fmt: skip
     """Not measured clean (an affected cuDNN, an unknown one, an unknown GPU, a GPU other than
-    Hopper): the post-pass runs on every call; at a repairable head dim, or beyond one with
-    the guard off, there is nothing to say and the fallback is never asked."""
+    Hopper), or ``always`` on a fixed cuDNN (issue 26, mutant W08): the post-pass runs on
+    every call, not only the first, each checked against the oracle; at a repairable head
+    dim, or beyond one with the guard off, there is nothing to say and the fallback is never
+    asked."""
     Stack(monkeypatch, cudnn, capability)
-    if guard is not None:
-        monkeypatch.setenv("TE_GQA_FIX_GUARD", guard)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     asked = FakeFallback(monkeypatch, None).asked
     fake, wrapped = FakeTE.with_wrapper("2.20")
     with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
-        for _ in range(2):
+        for i in range(3):
             fake.backend.reset()
-            wrapped(**_args(head_dim=head_dim))
+            wrapped(**_args(head_dim=head_dim, heads=heads))
             assert_post_pass(fake.backend.outputs, RAGGED, "padding_causal", (-1, -1), None)
+            assert call_counts()["fixed"] == i + 1
     assert _warnings(caplog) == [] and asked == []
-    assert call_counts()["fixed"] == 2
+    assert call_counts() == {"calls": 3, "fixed": 3, "skipped": 0, "passthrough": 0, "fallback": 0}
 
 
 # --------------------------------------------------------------------- the guard
@@ -363,5 +352,3 @@ def test_fixed_cudnn_still_wrong_at_256_128_goes_to_the_fallback(
     assert call_counts()["fallback"] == 1 and call_counts()["skipped"] == 1
     (said,) = _warnings(caplog)
     assert "256 (q/k) / 128 (v)" in said and "nvidia-cudnn-cu13>=9.27" in said, said
-    assert affected.verdict(HOPPER, FIXED, 256, 128).status == "unrepairable"
-    assert affected.verdict(HOPPER, FIXED, 256, 256).status == "not_affected"

@@ -45,15 +45,14 @@ def _import_te() -> Dict[str, Any]:
     }
 
 
+def _name(key: str) -> str:
+    """The name a site's module holds TE's function under."""
+    return "te_fused_attn_bwd" if key == "framework" else "fused_attn_bwd"
+
+
 def _holders(mods: Dict[str, Any]) -> Dict[str, Any]:
     """What each site currently holds under the name its module uses."""
-    return {
-        "fused_attn": mods["fused_attn"].fused_attn_bwd,
-        "cpp_extensions": mods["cpp_extensions"].fused_attn_bwd,
-        "backends": mods["backends"].fused_attn_bwd,
-        "context_parallel": mods["context_parallel"].fused_attn_bwd,
-        "framework": mods["framework"].te_fused_attn_bwd,
-    }
+    return {key: getattr(module, _name(key)) for key, module in mods.items()}
 
 
 def _assert_fixed(out: List[Any]) -> None:
@@ -70,14 +69,7 @@ def test_install_rebinds_every_consumer(fake_te: Path) -> None:
     sites = install()
 
     assert is_installed() and install() == [], "a second install must not rebind anything"
-    expected_sites = {
-        f"{te_package.DEFINING}.fused_attn_bwd",
-        f"{te_package.REEXPORT}.fused_attn_bwd",
-        f"{te_package.CONSUMERS['backends']}.fused_attn_bwd",
-        f"{te_package.CONSUMERS['context_parallel']}.fused_attn_bwd",
-        f"{te_package.CONSUMERS['framework']}.te_fused_attn_bwd",
-    }
-    assert set(sites) == expected_sites, sites
+    assert set(sites) == {f"{module.__name__}.{_name(key)}" for key, module in mods.items()}, sites
     holders = _holders(mods)
     wrapper = holders["fused_attn"]
     assert is_wrapper(wrapper) and wrapper.__wrapped__ is original

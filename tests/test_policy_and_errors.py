@@ -7,19 +7,12 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
 
 import pytest
 import torch
 
 import te_gqa_fix
 from te_gqa_fix import settings, zero_dead_rows
-
-I32 = torch.int32
-
-
-def _offsets(values: Any) -> torch.Tensor:
-    return torch.tensor(values, dtype=I32)
 
 
 def test_settings_read_os_environ_as_it_is_now(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -63,8 +56,7 @@ def test_without_te_the_drop_in_and_install_raise_and_the_post_pass_works(no_te:
     assert te_gqa_fix.is_installed() is False
     assert te_gqa_fix.uninstall() == []
     assert te_gqa_fix.get_te_version() is None
-    dk = torch.full((4, 1, 1), 7.0)
-    dv = torch.full((4, 1, 1), 7.0)
-    zero_dead_rows(None, dk, dv, _offsets([0, 0, 2]), _offsets([0, 2, 4]))
-    assert dk.flatten().tolist() == [0.0, 0.0, 7.0, 7.0]
-    assert dv.flatten().tolist() == [0.0, 0.0, 7.0, 7.0]
+    dk, dv = torch.full((4, 1, 1), 7.0), torch.full((4, 1, 1), 7.0)
+    cu_q, cu_kv = (torch.tensor(x, dtype=torch.int32) for x in ([0, 0, 2], [0, 2, 4]))
+    zero_dead_rows(None, dk, dv, cu_q, cu_kv)
+    assert dk.flatten().tolist() == dv.flatten().tolist() == [0.0, 0.0, 7.0, 7.0]

@@ -81,8 +81,7 @@ def _wrapper_call(monkeypatch: pytest.MonkeyPatch, head_dim: int) -> Callable[[]
         affected, "runtime_facts", lambda index=None: RuntimeFacts((9, 0), (9, 14, 0))
     )
     affected.reset()
-    fake = FakeTE("2.20")
-    wrapped = wrapper_module.wrapper_for(fake.fn)
+    fake, wrapped = FakeTE.with_wrapper("2.20")
     for _ in range(2):  # every call, not only the first
         with pytest.raises(SettingError):
             wrapped(**call_arguments("2.20", RAGGED, head_dim=head_dim))

@@ -636,14 +636,10 @@ def _small_case() -> Tuple[torch.Tensor, ...]:
     return dq, dk, dv, offs[0], offs[1], offs[2], offs[2]
 
 
-def test_cpu_tensors_get_no_kernel_plan() -> None:
+def test_cpu_tensors_get_no_kernel_plan_and_impl_triton_falls_back_to_torch() -> None:
     dq, dk, dv, *offs = _small_case()
     assert postpass.prepare_kernel(dq, dk, dv, tuple(offs), key_span("padding_causal")) is None
     assert launch.unsupported(dq, dk, dv, tuple(offs)) == "device cpu"
-
-
-def test_impl_triton_on_cpu_falls_back_to_torch() -> None:
-    dq, dk, dv, *offs = _small_case()
     ref = [t.clone() for t in (dq, dk, dv)]
     zero_dead_rows(*ref, *offs, attn_mask_type="padding_causal", impl="torch")
     zero_dead_rows(dq, dk, dv, *offs, attn_mask_type="padding_causal", impl="triton")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import sys
+from itertools import accumulate
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -79,13 +80,7 @@ def _local_offsets(cu: Sequence[int], pad: Sequence[int], cp: int, rank: int):
             mine += min(max(n - chunk * c, 0), c)
         lens.append(mine)
         plens.append(p // cp)
-    acc = [0]
-    for n in lens:
-        acc.append(acc[-1] + n)
-    pacc = [0]
-    for p in plens:
-        pacc.append(pacc[-1] + p)
-    return acc, pacc
+    return [0, *accumulate(lens)], [0, *accumulate(plens)]
 
 
 class FakeAttnFunc(torch.autograd.Function):

@@ -61,16 +61,10 @@ class FakeFloat8(FakeFloat8Storage):
 def stale(shape: Sequence[int], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     """Random values with whole rows (dim 0) of NaN, +Inf, -Inf and 1000.0 mixed in."""
     t = (torch.randn(tuple(shape), generator=gen, dtype=torch.float64) * 10).to(dtype)
-    rows = t.shape[0] if t.dim() else 0
-    for r in range(rows):
-        if r % 7 == 1:
-            t[r] = float("nan")
-        elif r % 7 == 3:
-            t[r] = float("inf")
-        elif r % 7 == 4:
-            t[r] = float("-inf")
-        elif r % 7 == 5:
-            t[r] = 1000.0
+    fills = {1: float("nan"), 3: float("inf"), 4: float("-inf"), 5: 1000.0}  # by row % 7
+    for r in range(t.shape[0] if t.dim() else 0):
+        if r % 7 in fills:
+            t[r] = fills[r % 7]
     return t
 
 
