@@ -452,15 +452,22 @@ def test_one_segmentation_only_where_q_and_kv_offsets_are_one_memory(emulated, k
     _check(batch, call, fallback.exact_backward(call))
 
 
+@pytest.mark.parametrize("packing", ["gaps", "back-to-back"])
 @pytest.mark.parametrize("stats", [False, True], ids=["forward", "tes-statistics"])
-def test_top_left_causal_across_two_offset_tensors(emulated, stats: bool) -> None:
+def test_top_left_causal_across_two_offset_tensors(emulated, stats: bool, packing: str) -> None:
     """On TE's statistics one call, keys moved to their queries' rows (more queries than
     keys, fewer, none; NaN in every row whose true gradient is 0, which must not reach a
-    real gradient); after a forward, two calls, each after its own forward."""
-    batch = _batch(
-        [7, 2, 0, 5], [3, 6, 4, 5], mask="padding_causal", gap_q=[0, 3, 1, 2], gap_kv=[2, 2, 0, 1]
-    )
+    real gradient); after a forward, two calls, each after its own forward. Back to back:
+    the valid offsets passed as the padded ones, as DotProductAttention passes them."""
+    gaps = dict(gap_q=[0, 3, 1, 2], gap_kv=[2, 2, 0, 1]) if packing == "gaps" else {}
+    batch = _batch([7, 2, 0, 5], [3, 6, 4, 5], mask="padding_causal", **gaps)
     call = _call(batch, tight=True, stats_rows=batch.rows_q if stats else None)
+    if packing == "back-to-back":
+        call["cu_seqlens_q_padded"], call["cu_seqlens_kv_padded"] = (
+            call["cu_seqlens_q"],
+            call["cu_seqlens_kv"],
+        )
+        assert fallback.decide(fallback.call_facts(call)).back_to_back == (True, True)  # type: ignore[union-attr]
     dead = dead_masks(batch, "cpu")
     for name, rows in (("q", dead.q), ("k", dead.kv), ("v", dead.kv)):
         call[name] = call[name].masked_fill(rows.view(-1, 1, 1), float("nan"))

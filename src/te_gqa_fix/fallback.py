@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from ._logging import log_once
 from .masks import window_pair
+from .row_moves import move_rows
 from .te_names import MASKS, OFFSET_NAMES, PACKED, THD_LAYOUTS, THD_MASKS
 
 __all__ = [
@@ -503,17 +504,7 @@ def _pack(layout: str, grads: Tuple[torch.Tensor, ...]) -> List[torch.Tensor]:
     return [*grads[:first], *torch.stack(grads[first:], dim).unbind(dim)]
 
 
-def _moved_rows(off_to: torch.Tensor, off_from: torch.Tensor, rows_to: int, rows_from: int):
-    """For each row of a buffer segmented by ``off_to``: the row at the same place of the same
-    segment of a buffer segmented by ``off_from`` (clamped to that buffer), and whether the
-    row lies in a sequence (an odd segment, as :func:`_varlen_offsets` numbers them)."""
-    rows = torch.arange(rows_to, dtype=torch.int32, device=off_to.device)
-    segment = torch.searchsorted(off_to, rows, right=True) - 1
-    source = rows + (off_from - off_to)[segment]
-    return source.clamp_(0, max(rows_from - 1, 0)), (segment % 2 == 1).view(-1, 1, 1)
-
-
-def _top_left_in_one_call(a: _Args, sequences, deterministic: bool, out, lse) -> tuple:
+def _top_left_in_one_call(a: _Args, call, recipe: Recipe, out, lse) -> tuple:
     """Top-left causal across two offsets tensors, on TE's statistics, in one call.
 
     Query i of a sequence sees keys j <= i with j < lk. FlashAttention-2 aligns its causal
@@ -523,21 +514,16 @@ def _top_left_in_one_call(a: _Args, sequences, deterministic: bool, out, lse) ->
     a key's probability does not depend on the other keys, and a zero key adds 0 to every
     real gradient: its dQ term is dS * 0. (Its probability exp(-lse) must be finite: a query
     from lk on whose logsumexp is below -88 would get NaN.) dK and dV move back; keys no
-    query sees (p >= n) get some other row's values, for the post-pass to zero.
+    query sees (p >= n) get 0, their true gradient.
     """
-    start_q, len_q, start_k, len_k = sequences
+    sides = [(call["cu_seqlens_" + s], call.get(f"cu_seqlens_{s}_padded")) for s in ("q", "kv")]
     rows_q, rows_k = a.q.shape[0], a.k.shape[0]
-    n = torch.minimum(len_q, len_k)
-    square_q = _varlen_offsets(start_q, start_q + n, rows_q)
-    square_k = _varlen_offsets(start_k, start_k + n, rows_k)
-    key_rows, has_key = _moved_rows(square_q, square_k, rows_q, rows_k)
-    k = torch.where(has_key, a.k.index_select(0, key_rows), 0)
-    v = torch.where(has_key, a.v.index_select(0, key_rows), 0)  # finite where k is 0
-    off = _varlen_offsets(start_q, start_q + len_q, rows_q)
+    k, v = move_rows((a.k, a.v), rows_q, sides[0], sides[1])  # finite: v is 0 where k is
+    off = _segments(call, "q", recipe.back_to_back[0], rows_q)
     moved = a._replace(k=k, v=v, max_k=a.max_q)
-    dq, dk, dv = _flash(moved, off, off, (-1, 0), deterministic, out, lse)
-    query_rows, _ = _moved_rows(square_k, square_q, rows_k, rows_q)
-    return dq, dk.index_select(0, query_rows), dv.index_select(0, query_rows)
+    dq, dk, dv = _flash(moved, off, off, (-1, 0), recipe.deterministic, out, lse)
+    dk, dv = move_rows((dk, dv), rows_k, sides[1], sides[0])
+    return dq, dk, dv
 
 
 def run(recipe: Recipe, call: Mapping[str, Any]) -> List[Optional[torch.Tensor]]:
@@ -587,7 +573,7 @@ def run(recipe: Recipe, call: Mapping[str, Any]) -> List[Optional[torch.Tensor]]
         off_k = off_q if recipe.one_segmentation else _segments(call, "kv", back_k, rows_k)
         dq, dk, dv = _flash(args, off_q, off_k, recipe.window, det, out, lse)
     elif lse is not None:
-        dq, dk, dv = _top_left_in_one_call(args, _sequences(call), det, out, lse)
+        dq, dk, dv = _top_left_in_one_call(args, call, recipe, out, lse)
     else:
         start_q, len_q, start_k, len_k = _sequences(call)
         # Top-left causal: query i of a sequence sees keys [0, min(i, lk - 1)]. The first

@@ -1,0 +1,166 @@
+"""Rows of THD tensors moved between two buffers' sequences: the exact fallback's split.
+
+Top-left causal across two offsets tensors runs as one FlashAttention-2 call on keys moved to
+their queries' rows (:mod:`te_gqa_fix.fallback`); the gradients move back. Both moves follow
+one rule, :func:`move_rows`. On CUDA with Triton it is one kernel launch per move (the same
+rule in PyTorch is a dozen small device ops, each a launch on the host); elsewhere it is
+PyTorch. Both keep the offsets on the device: no host sync, CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Optional, Sequence, Tuple
+
+import torch
+
+from ._logging import log_once
+
+__all__ = ["move_rows"]
+
+#: Rows and elements per row (of the flattened heads x head dim) per program step.
+BLOCK_R = 32
+BLOCK_W = 256
+
+# Set by _build(); Triton resolves it when it compiles (or interprets) the kernel.
+tl: Any = None
+
+
+def _move_rows_kernel(
+    src_a, src_b, dst_a, dst_b, cu_dst, pad_dst, cu_src, pad_src,
+    nseq, rows_dst, rows_src, dim_a, dim_b, width_a, width_b,
+    sa_row, sa_head, sb_row, sb_head, da_row, da_head, db_row, db_head,
+    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+):  # fmt: skip
+    """:func:`move_rows` for one block of destination rows, two tensors at once."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    # The last sequence b with pad_dst[b] <= row, by binary search over nseq starts.
+    lo = tl.zeros_like(rows)
+    hi = tl.zeros_like(rows) + nseq
+    for _ in range(SEARCH_STEPS):
+        active = lo < hi
+        mid = (lo + hi) >> 1
+        start = tl.load(pad_dst + mid, mask=active, other=0)
+        lo = tl.where(active & (start <= rows), mid + 1, lo)
+        hi = tl.where(active & (start > rows), mid, hi)
+    seq = tl.maximum(lo - 1, 0)
+    pos = rows - tl.load(pad_dst + seq)
+    n = tl.minimum(
+        tl.load(cu_dst + seq + 1) - tl.load(cu_dst + seq),
+        tl.load(cu_src + seq + 1) - tl.load(cu_src + seq),
+    )
+    in_rows = rows < rows_dst
+    live = in_rows & (lo > 0) & (pos >= 0) & (pos < n) & (tl.zeros_like(rows) + rows_src > 0)
+    source = tl.minimum(tl.maximum(tl.load(pad_src + seq) + pos, 0), rows_src - 1).to(tl.int64)
+    target = rows.to(tl.int64)
+    for c in range(0, width_a, BLOCK_W):
+        cols = c + tl.arange(0, BLOCK_W)
+        off = (cols // dim_a) * sa_head + cols % dim_a
+        val = tl.load(
+            src_a + source[:, None] * sa_row + off[None, :],
+            mask=live[:, None] & (cols < width_a)[None, :], other=0.0,
+        )  # fmt: skip
+        off = (cols // dim_a) * da_head + cols % dim_a
+        store = in_rows[:, None] & (cols < width_a)[None, :]
+        tl.store(dst_a + target[:, None] * da_row + off[None, :], val, mask=store)
+    for c in range(0, width_b, BLOCK_W):
+        cols = c + tl.arange(0, BLOCK_W)
+        off = (cols // dim_b) * sb_head + cols % dim_b
+        val = tl.load(
+            src_b + source[:, None] * sb_row + off[None, :],
+            mask=live[:, None] & (cols < width_b)[None, :], other=0.0,
+        )  # fmt: skip
+        off = (cols // dim_b) * db_head + cols % dim_b
+        store = in_rows[:, None] & (cols < width_b)[None, :]
+        tl.store(dst_b + target[:, None] * db_row + off[None, :], val, mask=store)
+
+
+_kernel: Any = None
+
+
+def _build() -> Any:
+    """Import Triton and return the kernel; raises ImportError without Triton."""
+    global tl, _kernel
+    if _kernel is None:
+        import triton
+        import triton.language as triton_language
+
+        tl = triton_language
+        _kernel = triton.jit(_move_rows_kernel)
+    return _kernel
+
+
+@functools.cache
+def _triton_available() -> bool:
+    try:
+        return _build() is not None
+    except Exception as exc:  # ImportError, or a broken install raising anything else
+        log_once(("triton-moves",), logging.INFO, "te_gqa_fix: no Triton (%s); PyTorch row moves", exc)  # fmt: skip
+        return False
+
+
+Side = Tuple[torch.Tensor, Optional[torch.Tensor]]
+
+
+def move_rows(
+    tensors: Sequence[torch.Tensor], rows: int, to: Side, source: Side, impl: str = "auto"
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Two ``[t, h, d]`` tensors' rows, moved to another buffer's segmentation.
+
+    Sequence ``b`` of side ``s`` starts at buffer row ``padded_s[b]`` and holds
+    ``cu_s[b + 1] - cu_s[b]`` valid rows. With ``n_b`` the smaller of the two sides' counts,
+    row ``padded_to[b] + p`` of the result is row ``padded_source[b] + p`` of the input for
+    ``0 <= p < n_b``, and every other row is 0. Offsets outside the buffers are clamped to
+    them, so impossible offsets read and write nothing outside.
+
+    Args:
+        tensors: two tensors ``[rows_source, h, d]`` with unit last stride (``d`` may differ).
+        rows: the result's row count.
+        to, source: each side's ``(cu_seqlens, cu_seqlens_padded or None)``, int32, of one
+            length ``nseq + 1 >= 2``, on the tensors' device.
+        impl: ``auto`` (the Triton kernel on CUDA where Triton imports), ``torch``, or
+            ``triton``.
+
+    Returns:
+        The two moved tensors, ``[rows, h, d]``, contiguous.
+    """
+    outs = tuple(torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in tensors)
+    cu_to, pad_to = to[0], to[0] if to[1] is None else to[1]
+    cu_from, pad_from = source[0], source[0] if source[1] is None else source[1]
+    use_triton = impl == "triton" or (
+        impl == "auto" and outs[0].device.type == "cuda" and _triton_available()
+    )
+    if not use_triton:
+        return _move_with_torch(tensors, outs, cu_to, pad_to, cu_from, pad_from)
+    a, b = tensors
+    nseq = cu_to.shape[0] - 1
+    grid = (max(1, -(-rows // BLOCK_R)),)
+    _build()[grid](
+        a, b, outs[0], outs[1], cu_to, pad_to, cu_from, pad_from,
+        nseq, rows, a.shape[0], a.shape[2], b.shape[2], a.shape[1] * a.shape[2],
+        b.shape[1] * b.shape[2], a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        outs[0].stride(0), outs[0].stride(1), outs[1].stride(0), outs[1].stride(1),
+        BLOCK_R=BLOCK_R, BLOCK_W=BLOCK_W, SEARCH_STEPS=nseq.bit_length(),
+    )  # fmt: skip
+    return outs
+
+
+def _move_with_torch(tensors, outs, cu_to, pad_to, cu_from, pad_from) -> Tuple[torch.Tensor, ...]:
+    """:func:`move_rows` in PyTorch device ops, into ``outs``."""
+    rows, rows_from = outs[0].shape[0], tensors[0].shape[0]
+    if rows_from == 0:  # nothing to move: every row is 0
+        return tuple(out.zero_() for out in outs)
+    starts = pad_to[:-1]
+    t = torch.arange(rows, dtype=starts.dtype, device=starts.device)
+    seq = torch.searchsorted(starts, t, right=True) - 1  # the last b with padded_to[b] <= t
+    found = seq >= 0
+    seq = seq.clamp_(min=0)
+    pos = t - starts[seq]
+    n = torch.minimum(cu_to[1:] - cu_to[:-1], cu_from[1:] - cu_from[:-1])[seq]
+    live = (found & (pos >= 0) & (pos < n)).view(-1, 1, 1)
+    source = (pad_from[:-1][seq] + pos).clamp_(0, max(rows_from - 1, 0))
+    for src, out in zip(tensors, outs):
+        torch.index_select(src, 0, source, out=out)
+        out.masked_fill_(~live, 0)
+    return outs
