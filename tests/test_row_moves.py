@@ -31,7 +31,7 @@ def _case(seed: int, device: str = "cpu"):
             pad.append(pad[-1] + n + rnd.randint(0, 3))
         padded = rnd.random() < 0.7 or pad[0] != 0
         i32 = dict(dtype=torch.int32, device=device)
-        cu_t = torch.tensor(cu, **i32)
+        cu_t = torch.tensor(cu, **i32).repeat_interleave(2)[::2]  # a strided view
         sides.append((cu_t, torch.tensor(pad, **i32) if padded else None))
         rows.append((pad[-1] if padded else cu[-1]) + rnd.randint(0, 3))
     gen = torch.Generator().manual_seed(seed)

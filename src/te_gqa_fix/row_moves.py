@@ -135,6 +135,8 @@ def move_rows(
         return _move_with_torch(tensors, outs, cu_to, pad_to, cu_from, pad_from)
     a, b = tensors
     nseq = cu_to.shape[0] - 1
+    # The kernel reads the offsets at unit stride.
+    cu_to, pad_to, cu_from, pad_from = (t.contiguous() for t in (cu_to, pad_to, cu_from, pad_from))
     grid = (max(1, -(-rows // BLOCK_R)),)
     _build()[grid](
         a, b, outs[0], outs[1], cu_to, pad_to, cu_from, pad_from,
