@@ -23,8 +23,28 @@ __all__ = ["move_rows"]
 BLOCK_R = 32
 BLOCK_W = 256
 
-# Set by _build(); Triton resolves it when it compiles (or interprets) the kernel.
+# Set by _build(); Triton resolves these globals when it compiles (or interprets) the kernel.
 tl: Any = None
+_seq_index_jit: Any = None
+_copy_rows_jit: Any = None
+_kernel: Any = None
+
+
+def _copy_rows(
+    src, dst, source, target, live, in_rows, dim, width, s_row, s_head, d_row, d_head,
+    BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    """Row ``source[i]`` of ``src`` into row ``target[i]`` of ``dst`` where ``live[i]``, 0
+    elsewhere in ``in_rows``; a row is ``width`` elements of heads x ``dim``, unit last stride."""
+    for c in range(0, width, BLOCK_W):
+        cols = c + tl.arange(0, BLOCK_W)
+        in_cols = (cols < width)[None, :]
+        off = (cols // dim) * s_head + cols % dim
+        val = tl.load(
+            src + source[:, None] * s_row + off[None, :], mask=live[:, None] & in_cols, other=0.0
+        )
+        off = (cols // dim) * d_head + cols % dim
+        tl.store(dst + target[:, None] * d_row + off[None, :], val, mask=in_rows[:, None] & in_cols)
 
 
 def _move_rows_kernel(
@@ -35,58 +55,41 @@ def _move_rows_kernel(
 ):  # fmt: skip
     """:func:`move_rows` for one block of destination rows, two tensors at once."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    # The last sequence b with pad_dst[b] <= row, by binary search over nseq starts.
-    lo = tl.zeros_like(rows)
-    hi = tl.zeros_like(rows) + nseq
-    for _ in range(SEARCH_STEPS):
-        active = lo < hi
-        mid = (lo + hi) >> 1
-        start = tl.load(pad_dst + mid, mask=active, other=0)
-        lo = tl.where(active & (start <= rows), mid + 1, lo)
-        hi = tl.where(active & (start > rows), mid, hi)
-    seq = tl.maximum(lo - 1, 0)
+    # The last sequence b with pad_dst[b] <= row (-1 if none), among the nseq starts.
+    found = _seq_index_jit(pad_dst, rows, nseq - 1, SEARCH_STEPS)
+    seq = tl.maximum(found, 0)
     pos = rows - tl.load(pad_dst + seq)
     n = tl.minimum(
         tl.load(cu_dst + seq + 1) - tl.load(cu_dst + seq),
         tl.load(cu_src + seq + 1) - tl.load(cu_src + seq),
     )
     in_rows = rows < rows_dst
-    live = in_rows & (lo > 0) & (pos >= 0) & (pos < n) & (tl.zeros_like(rows) + rows_src > 0)
+    live = in_rows & (found >= 0) & (pos >= 0) & (pos < n) & (tl.zeros_like(rows) + rows_src > 0)
     source = tl.minimum(tl.maximum(tl.load(pad_src + seq) + pos, 0), rows_src - 1).to(tl.int64)
     target = rows.to(tl.int64)
-    for c in range(0, width_a, BLOCK_W):
-        cols = c + tl.arange(0, BLOCK_W)
-        off = (cols // dim_a) * sa_head + cols % dim_a
-        val = tl.load(
-            src_a + source[:, None] * sa_row + off[None, :],
-            mask=live[:, None] & (cols < width_a)[None, :], other=0.0,
-        )  # fmt: skip
-        off = (cols // dim_a) * da_head + cols % dim_a
-        store = in_rows[:, None] & (cols < width_a)[None, :]
-        tl.store(dst_a + target[:, None] * da_row + off[None, :], val, mask=store)
-    for c in range(0, width_b, BLOCK_W):
-        cols = c + tl.arange(0, BLOCK_W)
-        off = (cols // dim_b) * sb_head + cols % dim_b
-        val = tl.load(
-            src_b + source[:, None] * sb_row + off[None, :],
-            mask=live[:, None] & (cols < width_b)[None, :], other=0.0,
-        )  # fmt: skip
-        off = (cols // dim_b) * db_head + cols % dim_b
-        store = in_rows[:, None] & (cols < width_b)[None, :]
-        tl.store(dst_b + target[:, None] * db_row + off[None, :], val, mask=store)
-
-
-_kernel: Any = None
+    _copy_rows_jit(
+        src_a, dst_a, source, target, live, in_rows, dim_a, width_a, sa_row, sa_head, da_row,
+        da_head, BLOCK_W,
+    )  # fmt: skip
+    _copy_rows_jit(
+        src_b, dst_b, source, target, live, in_rows, dim_b, width_b, sb_row, sb_head, db_row,
+        db_head, BLOCK_W,
+    )  # fmt: skip
 
 
 def _build() -> Any:
     """Import Triton and return the kernel; raises ImportError without Triton."""
-    global tl, _kernel
+    global tl, _seq_index_jit, _copy_rows_jit, _kernel
     if _kernel is None:
         import triton
         import triton.language as triton_language
 
+        from .postpass import kernel as postpass_kernel
+
+        postpass_kernel.build()  # its binary search over offsets, shared
         tl = triton_language
+        _seq_index_jit = postpass_kernel._seq_index_jit
+        _copy_rows_jit = triton.jit(_copy_rows)
         _kernel = triton.jit(_move_rows_kernel)
     return _kernel
 
