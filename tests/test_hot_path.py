@@ -27,7 +27,7 @@ from fakes.te_outputs import (
 )
 from te_gqa_fix import postpass, validation
 from te_gqa_fix import wrapper as wrapper_module
-from te_gqa_fix.wrapper import _Signature, call_counts, wrapper_for
+from te_gqa_fix.wrapper import _Signature, call_counts, reset_call_counts, wrapper_for
 
 RAGGED = make_ragged([(3, 5), (0, 4), (4, 0), (2, 2), (5, 3)], gaps_q=[1, 0, 2, 1, 0],
                      gaps_kv=[2, 1, 0, 1, 1], lead_q=1, lead_kv=2, tail_q=2, tail_kv=3)  # fmt: skip
@@ -123,6 +123,93 @@ def test_a_new_call_shape_is_checked_again_and_bad_input_never_cached(case: str)
     wrapped(**call_arguments("2.20", RAGGED))
     _check(fake)
     assert call_counts()["fixed"] == 2
+
+
+# --------------------------------------------------------------------- self-attention
+
+#: Queries and keys at the same rows: gaps, a leading row, tail rows, a zero-length sequence;
+#: and the same sequences back to back (no padded offsets).
+SELF = make_ragged([(3, 3), (0, 0), (5, 5), (2, 2)], gaps_q=[1, 0, 2, 1], gaps_kv=[1, 0, 2, 1],
+                   lead_q=1, lead_kv=1, tail_q=2, tail_kv=2)  # fmt: skip
+SELF_PACKED = make_ragged([(3, 3), (0, 0), (5, 5), (2, 2)], padded=False, tail_q=2, tail_kv=2)
+
+
+class _Sub(torch.Tensor):
+    """A tensor subclass, as TE's FP8 tensors are (TE zero-fills only some of their rows)."""
+
+
+def _one_offsets_tensor(args: Dict[str, Any]) -> None:
+    args["cu_seqlens_kv"], args["cu_seqlens_kv_padded"] = (
+        args["cu_seqlens_q"], args["cu_seqlens_q_padded"])  # fmt: skip
+
+
+#: case -> (batch, change to its bf16 GQA call, TE_GQA_FIX, whether the post-pass runs).
+SELF_CASES: Dict[str, tuple] = {
+    "one offsets tensor": (SELF, _one_offsets_tensor, "auto", False),
+    "valid offsets only": (SELF_PACKED, _one_offsets_tensor, "auto", False),
+    "valid offsets of two tensors": (SELF_PACKED, lambda a: None, "auto", True),
+    "equal values, two tensors": (SELF, lambda a: None, "auto", True),
+    "padded offsets of two tensors": (
+        SELF, lambda a: a.update(cu_seqlens_kv=a["cu_seqlens_q"]), "auto", True),
+    "fp32 (TE zero-fills fp16/bf16)": (
+        SELF, lambda a: (_one_offsets_tensor(a), a.update({n: a[n].float() for n in "qkv"})),
+        "auto", True),
+    "always": (SELF, _one_offsets_tensor, "always", True),
+    "q a tensor subclass (an FP8 tensor's kind)": (
+        SELF, lambda a: (_one_offsets_tensor(a), a.update(q=a["q"].as_subclass(_Sub))),
+        "auto", True),
+}  # fmt: skip
+
+
+def _self_call(fake: FakeTE, wrapped: Callable, case: str) -> None:
+    """One call of ``case``, then its outputs held to what ``SELF_CASES`` says."""
+    ragged, change, _, repaired = SELF_CASES[case]
+    fake.backend.reset()
+    reset_call_counts()
+    args = call_arguments("2.20", ragged, dtype=torch.bfloat16)
+    change(args)
+    wrapped(**args)
+    if repaired:
+        assert call_counts()["fixed"] == 1, case
+        _check(fake, ragged)
+    else:
+        assert call_counts()["skipped"] == 1, case
+        assert_untouched(fake.backend.outputs)
+
+
+@pytest.mark.parametrize("case", list(SELF_CASES))
+def test_one_offsets_tensor_for_queries_and_keys_needs_no_post_pass(
+    monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """Self-attention through one offsets tensor: every key is its own query's, so no row
+    can hold the bug's values and TE's output is returned untouched (counted skipped). Any
+    other call of the same rows is repaired, and so is every call under ``always``."""
+    monkeypatch.setenv("TE_GQA_FIX", SELF_CASES[case][2])
+    _self_call(*FakeTE.with_wrapper("2.20"), case)
+
+
+def test_the_call_key_tells_one_offsets_tensor_from_two() -> None:
+    """One wrapper, calls of one shape in turn: the shared-offsets decision is not reused
+    for a call whose padded (or valid) offsets are two tensors."""
+    fake, wrapped = FakeTE.with_wrapper("2.20")
+    for case in ("one offsets tensor", "padded offsets of two tensors",
+                 "equal values, two tensors", "one offsets tensor", "valid offsets only",
+                 "valid offsets of two tensors"):  # fmt: skip
+        _self_call(fake, wrapped, case)
+
+
+@pytest.mark.parametrize("mask", ["padding", "padding_causal", "padding_causal_bottom_right",
+                                  "arbitrary"])  # fmt: skip
+@pytest.mark.parametrize("window", [(-1, -1), (0, 0), (3, 0), (0, 2), (2, 5)])
+@pytest.mark.parametrize("brd", [None, True, False])
+def test_as_many_queries_as_keys_attend_every_key(mask: str, window: tuple, brd: Any) -> None:
+    """What the self-attention pass-through rests on, held to the one statement of the
+    attended-key rule: with ``lq == lk`` every key of a sequence with queries is attended."""
+    from te_gqa_fix.masks import key_bounds, key_span
+
+    lengths = torch.tensor([0, 1, 2, 7, 40])
+    lo, hi = key_bounds(lengths, lengths, key_span(mask, window, brd, strict=True))
+    assert lo.tolist() == [0] * 5 and hi.tolist() == lengths.tolist()
 
 
 # --------------------------------------------------------------------- every fact of a call

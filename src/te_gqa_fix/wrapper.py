@@ -59,8 +59,9 @@ def call_counts() -> Dict[str, int]:
 
     Returns:
         ``calls``; ``fixed`` (post-pass on TE's output); ``skipped`` (nothing to do: MHA,
-        non-THD, policy off, fixed cuDNN); ``passthrough`` (not understood, logged once);
-        ``fallback`` (the exact fallback replaced TE's call).
+        non-THD, one offsets tensor for queries and keys, policy off, fixed cuDNN);
+        ``passthrough`` (not understood, logged once); ``fallback`` (the exact fallback
+        replaced TE's call).
     """
     return dict(zip(_COUNT_NAMES, _counts))
 
@@ -207,12 +208,29 @@ def _call_key(policy: str, dev: Optional[int], picked: tuple) -> Optional[tuple]
         and (pad_q is None or type(pad_q) is T) and (pad_kv is None or type(pad_kv) is T)
     ):  # fmt: skip
         return None
-    pads = [None if p is None else (p.dtype, p.shape, p.device) for p in (pad_q, pad_kv)]
     return (
-        policy, dev, q.device, q.shape, k.shape, k.device, v.shape, v.device,
+        policy, dev, q.device, q.dtype, q.shape, k.shape, k.device, v.shape, v.device,
         cu_q.dtype, cu_q.shape, cu_q.device, cu_kv.dtype, cu_kv.shape, cu_kv.device,
-        *pads, mask, tuple(window) if type(window) is list else window, brd, lay, dlay,
+        None if pad_q is None else (pad_q.dtype, pad_q.shape, pad_q.device),
+        None if pad_kv is None else (pad_kv.dtype, pad_kv.shape, pad_kv.device),
+        cu_q is cu_kv and pad_q is pad_kv,
+        mask, tuple(window) if type(window) is list else window, brd, lay, dlay,
     )  # fmt: skip
+
+
+#: The gradient dtypes TE zero-fills in a THD backward before cuDNN writes them.
+_FILLED_BY_TE = (torch.float16, torch.bfloat16)
+
+
+def _self_attention(picked: tuple) -> bool:
+    """Whether no row of this call can need the post-pass: queries and keys share their
+    offsets tensors, so every sequence has as many queries as keys and each valid key is
+    attended by its own position's query (:func:`te_gqa_fix.masks.key_bounds` gives
+    ``[0, lk)`` for every mask and window when ``lq == lk``). The bug's rows, keys of a
+    sequence without queries, then do not exist, and TE zero-fills every other row (padding,
+    tail) of a plain fp16/bf16 THD gradient itself."""
+    q, cu_q, cu_kv, pad_q, pad_kv = picked[0], picked[3], picked[4], picked[5], picked[6]
+    return cu_q is cu_kv and pad_q is pad_kv and type(q) is _Tensor and q.dtype in _FILLED_BY_TE
 
 
 def _decide(policy: str, dev: Optional[int], picked: tuple) -> Optional[Decision]:
@@ -240,7 +258,7 @@ def _decide(policy: str, dev: Optional[int], picked: tuple) -> Optional[Decision
     # Heads of THD tensors only: anything else is checked (and refused) below.
     h_q = int(sq[1]) if sq and len(sq) == 3 else None
     h_kv = int(sk[1]) if sk and len(sk) == 3 else None
-    postpass = policy == "always" or h_q is None or h_q != h_kv
+    postpass = policy == "always" or h_q is None or (h_q != h_kv and not _self_attention(picked))
     if not postpass and unrepairable is None:
         return _NOTHING_TO_DO
     names = ("q", "k", "v")

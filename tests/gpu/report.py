@@ -437,7 +437,8 @@ def render(recs: List[Rec]) -> str:
         "DotProductAttention",
         "`install()`, cuDNN backend forced, a freed block between forward and backward; above "
         "head dim 128 also in TE's deterministic mode (`NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`), "
-        "two steps compared bitwise.",
+        "two steps compared bitwise. `one_offsets_tensor`: self-attention, one offsets tensor "
+        "for queries and keys, which the wrapper leaves to TE (counted skipped).",
         "build|case|corrupted unpatched|dK dead-row max unpatched|wrapper calls"
         "|dead-row max patched|err/bound|bitwise repeatable",
         [[r["build"], r.get("heads") or _case(r), r.get("unpatched_corrupted"),

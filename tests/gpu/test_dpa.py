@@ -25,7 +25,9 @@ from te_gqa_fix.testing import (
 pytestmark = pytest.mark.gpu
 
 
-def _dpa_step(te, batch, poison: bool, padded: bool = True):
+def _dpa_step(te, batch, poison: bool, padded: bool = True, one_offsets: bool = False):
+    """One forward + backward; ``one_offsets``: queries and keys get one offsets tensor (and
+    one padded one), as self-attention passes them."""
     h, g, d = batch.heads_q, batch.heads_kv, batch.head_dim
     d_v = d if batch.head_dim_v is None else batch.head_dim_v
     dpa = te.DotProductAttention(
@@ -39,18 +41,13 @@ def _dpa_step(te, batch, poison: bool, padded: bool = True):
     t = batch.tensors
     q, k, v = (t[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v"))
     max_q, max_kv = batch.max_seqlens()
-    out = dpa(
-        q,
-        k,
-        v,
-        qkv_format="thd",
-        cu_seqlens_q=batch.offsets("cuda")["cu_seqlens_q"],
-        cu_seqlens_kv=batch.offsets("cuda")["cu_seqlens_kv"],
-        cu_seqlens_q_padded=batch.offsets("cuda")["cu_seqlens_q_padded"] if padded else None,
-        cu_seqlens_kv_padded=batch.offsets("cuda")["cu_seqlens_kv_padded"] if padded else None,
-        max_seqlen_q=max_q,
-        max_seqlen_kv=max_kv,
-    )
+    offsets = batch.offsets("cuda")
+    if one_offsets:
+        offsets["cu_seqlens_kv"] = offsets["cu_seqlens_q"]
+        offsets["cu_seqlens_kv_padded"] = offsets["cu_seqlens_q_padded"]
+    if not padded:
+        offsets["cu_seqlens_q_padded"] = offsets["cu_seqlens_kv_padded"] = None
+    out = dpa(q, k, v, qkv_format="thd", max_seqlen_q=max_q, max_seqlen_kv=max_kv, **offsets)
     if poison:
         poison_allocator(1000.0)
     out.backward(t["d_o"].reshape(out.shape))
@@ -134,6 +131,34 @@ def test_dpa_steady_state(te, cudnn, affected, monkeypatch, record):
     assert counts["fixed" if not cudnn_is_fixed(cudnn) else "skipped"] == 5, counts
     for i, res in enumerate(steps):
         assert exact(res), (i, res)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["nondet", "det"])
+@pytest.mark.parametrize("mask", ["padding_causal", "padding_causal_bottom_right", "padding"])
+@pytest.mark.parametrize("head_dim, heads", [(128, (8, 2)), (64, (16, 1))])
+def test_dpa_one_offsets_tensor_is_exact_untouched(
+    te, cudnn, mask, head_dim, heads, deterministic, monkeypatch, record
+):
+    """Self-attention with one offsets tensor for queries and keys: the wrapper leaves TE's
+    output untouched (no sequence has keys without queries, and TE zero-fills the rest), and
+    it is exact on every build, after a poisoned workspace, with gaps, a zero-length
+    sequence and tail rows, deterministic both ways."""
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0" if deterministic else "1")
+    batch = make_batch([40, 0, 64, 17], [40, 0, 64, 17], heads_q=heads[0], heads_kv=heads[1],
+                       head_dim=head_dim, dtype=torch.bfloat16, gap_q=[2, 3, 4, 1],
+                       gap_kv=[2, 3, 4, 1], tail=5, mask=mask)  # fmt: skip
+    random_inputs(batch, seed=3)
+    te_gqa_fix.install()
+    te_gqa_fix.reset_call_counts()
+    try:
+        res = compare(batch, _dpa_step(te, batch, poison=True, one_offsets=True), references(batch))
+    finally:
+        te_gqa_fix.uninstall()
+    counts = te_gqa_fix.call_counts()
+    record(cudnn=".".join(map(str, cudnn)), mask=mask, head_dim=head_dim,
+           deterministic=deterministic, counts=counts, **res)  # fmt: skip
+    assert counts["calls"] == 1 and counts["skipped"] == 1, counts
+    assert exact(res), res
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["nondet", "det"])
