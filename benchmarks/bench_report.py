@@ -113,11 +113,15 @@ def render(data: Dict[str, Any]) -> str:
         "## Training step",
         "",
         "TE's `DotProductAttention` forward + backward: THD, GQA 32/8, d 128, bf16, "
-        "`padding_causal`, 8 packed sequences with padding. Blocks with and without "
-        "`te_gqa_fix.install()` alternate in one process; added = median over block pairs of "
-        "the difference of the blocks' times. `synced`: each step timed alone, then a sync; "
-        "`back-to-back`: a block's steps with no sync between them, as a training loop runs "
-        "them, so host work the GPU cannot hide counts (`benchmarks/bench_step.py`).",
+        "`padding_causal`, 8 packed sequences with padding. `one`: one offsets tensor for "
+        "queries and keys, as self-attention passes them, which the wrapper leaves to TE "
+        "(nothing in such a call can need repair); `two`: the keys' offsets a second tensor of "
+        "the same values, so an affected stack runs the post-pass on every step. Blocks with "
+        "and without `te_gqa_fix.install()` alternate in one process, the garbage collector "
+        "run between blocks; added = median over block pairs of the difference of the blocks' "
+        "times, with its 95% confidence interval. `synced`: each step timed alone, then a "
+        "sync; `back-to-back`: a block's steps with no sync between them, as a training loop "
+        "runs them, so host work the GPU cannot hide counts (`benchmarks/bench_step.py`).",
         "",
     ]
     rows = []
@@ -129,15 +133,18 @@ def render(data: Dict[str, Any]) -> str:
                 if calls.get("fixed")
                 else ("pass-through" if calls.get("calls") else "not called")
             )
+            ci = r.get("added_us_ci95")
             rows.append(
                 [
                     d.get("build") or "-",
                     str(r["tokens"]),
+                    r.get("offsets", "one"),
                     r.get("mode", "synced"),
                     _fmt(r["step_ms"], " ms", 3),
                     _fmt(r["added_us"], " us"),
                     _fmt(r["added_pct"], "%", 2),
-                    f"{_fmt(r['added_us_range'][0])} .. {_fmt(r['added_us_range'][1])} us",
+                    f"{_fmt(ci[0])} .. {_fmt(ci[1])} us" if ci else "-",
+                    str(r.get("pairs", "-")),
                     did,
                 ]
             )
@@ -146,11 +153,13 @@ def render(data: Dict[str, Any]) -> str:
             [
                 "build",
                 "tokens",
+                "offsets",
                 "mode",
                 "step",
                 "added per step",
                 "% of step",
-                "range over pairs",
+                "95% CI",
+                "pairs",
                 "wrapper",
             ],
             rows,

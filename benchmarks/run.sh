@@ -4,7 +4,8 @@
 # bench_postpass.py and bench_step.py on each build (system: cuDNN 9.14, affected; pip: 9.19,
 # fixed), fallback_cost.py on pip (TE's backward on the fixed cuDNN), then startup_cudnn.py.
 # About 6 minutes on one H200.
-# Knobs: PARTS (default "postpass step fallback startup"), BUILDS (default "system pip"), QUICK=1.
+# Knobs: PARTS (default "postpass step fallback startup"), BUILDS (default "system pip"), QUICK=1,
+# STARTUP_REPEAT (default 5).
 # Raw outputs stay in /tmp between commands on one warm machine, so a run may be split.
 # Brings back $OUT/performance.json (commit as docs/data/performance.json) and
 # $OUT/performance.md (the page it renders to: docs/performance.md).
@@ -26,10 +27,12 @@ for build in ${BUILDS:-system pip}; do
     fi
     for b in postpass step; do
       [[ $parts == *" $b "* ]] || continue
-      quick=""
-      [ "$b" = postpass ] && quick=${QUICK:+--quick}
+      opts=()
+      [ "$b" = postpass ] && [ -n "${QUICK:-}" ] && opts=(--quick)
+      # On a fixed cuDNN both offsets variants are the same pass-through: one is measured.
+      [ "$b" = step ] && [ "$build" = pip ] && opts=(--offsets one)
       timeout "${BENCH_TIMEOUT:-240}" python3 "benchmarks/bench_$b.py" --out "$raw/$b-$build.json" \
-        $quick >"$raw/$b-$build.log" 2>&1
+        "${opts[@]}" >"$raw/$b-$build.log" 2>&1
       echo "bench_$b.py ($build): exit $?"
       tail -n 6 "$raw/$b-$build.log"
     done
@@ -39,7 +42,8 @@ if [[ $parts == *" startup "* ]]; then
   (
     use_build system
     ensure_wheel
-    timeout 400 python3 benchmarks/startup_cudnn.py --out "$raw/startup.json" >"$raw/startup.log" 2>&1
+    timeout 400 python3 benchmarks/startup_cudnn.py --repeat "${STARTUP_REPEAT:-5}" \
+      --out "$raw/startup.json" >"$raw/startup.log" 2>&1
     echo "startup_cudnn.py: exit $?"
     tail -n 3 "$raw/startup.log"
   )
