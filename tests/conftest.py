@@ -1,4 +1,5 @@
-"""Shared fixtures for the CPU suite: a clean te-gqa-fix state around every test.
+"""Shared fixtures for the CPU suite: a clean te-gqa-fix state around every test, and the
+fixtures more than one test file uses (a fake TE package, doctor's probes, the start-up hook).
 
 te-gqa-fix keeps a little process-wide state on purpose (log-once keys, call counters,
 the wrappers and their call-shape caches, the guard's per-device decisions, the patch
@@ -10,9 +11,10 @@ from __future__ import annotations
 
 import importlib
 import os
+import runpy
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, List, Optional
 
 import pytest
 
@@ -73,6 +75,57 @@ def fake_te(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         sys.modules.update(saved)
         te_package.BACKEND.reset()
         te_package.DIRECT_CALLERS.clear()
+
+
+@pytest.fixture
+def doctor_probes(monkeypatch: pytest.MonkeyPatch) -> Callable[..., List[str]]:
+    """``doctor_probes(te_cudnn, installed=False, live=None, fallback_declines=None)`` makes
+    ``doctor`` see one Hopper GPU, TE 2.20.2 running cuDNN ``te_cudnn``, torch with cuDNN
+    9.19.0, no cuDNN mapped or on disk, the fix installed or not, and the exact fallback
+    declining with ``fallback_declines`` (None: serving); it returns the list its live
+    check (returning ``live``, default: bug seen and fixed) appends "live" to."""
+    from te_gqa_fix import fallback
+    from te_gqa_fix.cli import doctor
+    from te_gqa_fix.stack import cudnn, versions
+
+    def probes(
+        te_cudnn: str,
+        installed: bool = False,
+        live: Optional[dict] = None,
+        fallback_declines: Optional[str] = None,
+    ) -> List[str]:
+        calls: List[str] = []
+        gpu = {"available": True, "count": 1, "name": "Fake H200", "capability": [9, 0]}
+        monkeypatch.setattr(versions, "gpu_info", lambda: dict(gpu))
+        te = {"version": "2.20.2", "imported": True, "cudnn": te_cudnn, "error": None}
+        monkeypatch.setattr(versions, "te_info", lambda: dict(te))
+        torch_info = {"version": "2.11.0", "cuda": "13.0", "cudnn": "9.19.0"}
+        monkeypatch.setattr(versions, "torch_info", lambda: dict(torch_info))
+        monkeypatch.setattr(cudnn, "mapped_cudnn_libraries", lambda: [])
+        monkeypatch.setattr(cudnn, "find_builds", lambda: [])
+        monkeypatch.setattr(fallback, "head_dim_reason", lambda d, d_v=None: fallback_declines)
+        live_result = live or {"ran": True, "bug_observed": True, "fix_ok": True}
+        monkeypatch.setattr(
+            doctor, "live_check", lambda large_head_dim=False: calls.append("live") or live_result
+        )
+        monkeypatch.setattr(patch, "is_installed", lambda: installed)
+        return calls
+
+    return probes
+
+
+@pytest.fixture
+def hook(monkeypatch: pytest.MonkeyPatch):
+    """The start-up hook module with a fresh record and ``sys.meta_path``, both put back
+    afterwards."""
+    import _te_gqa_fix_autopatch as boot
+
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    boot.disable()  # in case this interpreter started with TE_GQA_FIX_AUTOPATCH set,
+    boot._remove(boot._CUDNN_MARKER)  # or TE_GQA_FIX_CUDNN
+    monkeypatch.setattr(boot, "_state", runpy.run_path(boot.__file__)["_state"])
+    assert not any(boot.state().values()), boot.state()  # a new process's: nothing done yet
+    return boot
 
 
 # Slow subprocesses (tests/fakes/background.py): started once collection is over, read by

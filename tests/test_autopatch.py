@@ -18,14 +18,10 @@ import importlib
 import importlib.machinery
 import importlib.metadata
 import inspect
-import json
 import logging
-import os
 import re
-import runpy
 import shutil
 import site
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -35,11 +31,9 @@ import pytest
 
 import _te_gqa_fix_autopatch as boot
 from fakes import te_package
+from fakes.interpreter import PTH, SRC, child_env, probed, run_code, run_pth_line
 from te_gqa_fix import autopatch, settings
 
-ROOT = Path(__file__).resolve().parents[1]
-SRC = ROOT / "src"
-PTH = SRC / boot.PTH_NAME
 TE = "transformer_engine.pytorch"
 
 # Seed batch, padding_causal (top-left): sequence 0 has no queries (rows 0-3: 0),
@@ -116,34 +110,9 @@ def run_fresh(
     if pth_dir:
         pdir.mkdir(exist_ok=True)
         shutil.copy(PTH, pdir / PTH.name)
-    full = {k: v for k, v in os.environ.items() if not k.startswith("TE_GQA_FIX")}
-    full["PYTHONPATH"] = os.pathsep.join([*te_package.pythonpath(fake), str(SRC)] + (
-        [full["PYTHONPATH"]] if full.get("PYTHONPATH") else []))  # fmt: skip
-    full.update(env or {})
     source = code.replace("{pth_dir}", repr(str(pdir))) + "\n" + inspect.getsource(probe)
     source += "import json\nprint('PROBE' + json.dumps(probe()))\n"
-    proc = subprocess.run(
-        [sys.executable, "-c", source], env=full, capture_output=True, text=True, timeout=300
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE")]
-    assert proc.returncode == 0 and len(lines) == 1, proc.stdout + proc.stderr
-    return json.loads(lines[0][len("PROBE") :])
-
-
-def run_pth_line() -> None:
-    """Run the shipped start-up line in this process, as ``site`` does."""
-    (line,) = [ln for ln in PTH.read_text().splitlines() if ln.startswith("import")]
-    exec(line, {})
-
-
-@pytest.fixture
-def hook(monkeypatch: pytest.MonkeyPatch):
-    """A fresh hook record and ``sys.meta_path``, both put back afterwards."""
-    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
-    boot.disable()  # in case this interpreter started with TE_GQA_FIX_AUTOPATCH set
-    monkeypatch.setattr(boot, "_state", runpy.run_path(boot.__file__)["_state"])
-    assert not any(boot.state().values()), boot.state()  # a new process's: nothing done yet
-    return boot
+    return probed(run_code(source, child_env(*te_package.pythonpath(fake), SRC, **(env or {}))))
 
 
 def import_te():

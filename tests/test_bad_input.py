@@ -154,7 +154,8 @@ SHARED = {
     "mask_typo": (_set(attn_mask_type="padding_casual"), ValueError, "attn_mask_type: expected"),
     "mask_none": (_set(attn_mask_type=None), ValueError, "attn_mask_type: expected"),
     **{f"window_{name}": (_set(window_size=w), ValueError, "window_size: expected") for name, w in (
-        ("below", (-5, 0)), ("three", (1, 2, 3)), ("float", (1.5, 0)), ("float_int", (2.0, 0)),
+        ("below", (-5, 0)), ("right_below", (0, -5)), ("one", (1,)), ("three", (1, 2, 3)),
+        ("string", "wide"), ("float", (1.5, 0)), ("float_int", (2.0, 0)),
         ("bool_right", (2, True)), ("bool_left", (True, 2)), ("2**63", (2**63, 0)), ("2**31", (0, 2**31)))},
     "brd_string": (_set(bottom_right_diagonal="false"), ValueError, "bottom_right_diagonal: exp"),
     "brd_int": (_set(bottom_right_diagonal=1), ValueError, "bottom_right_diagonal: expected"),
@@ -226,6 +227,9 @@ ZERO_DEAD_ROWS = {
     "dk_sparse_subclass": (_set(dk=lambda a: torch.Tensor._make_subclass(_Plain, a["dk"].to_sparse())),
                            ValueError, _IN_PLACE),
     "dk_sparse": (_set(dk=lambda a: a["dk"].to_sparse()), ValueError, _IN_PLACE),
+    # Mask arguments refused with dK/dV views of one packed buffer (nothing written either).
+    "window_one_packed": (_views((10, 2, 2, 2), lambda b: dict(dk=b[:, 0], dv=b[:, 1], window_size=(1,))),
+                          ValueError, "window_size: expected"),
 }  # fmt: skip
 
 

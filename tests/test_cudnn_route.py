@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import io
-import json
 import logging
 import os
 import re
@@ -27,12 +26,9 @@ from typing import Dict, List, Optional, Tuple
 import pytest
 
 from fakes import cudnn_builds as fb
+from fakes.interpreter import PTH, SRC, child_env, probed, run_code
 from te_gqa_fix.stack import affected, cudnn
 from te_gqa_fix.stack.versions import RuntimeFacts
-
-ROOT = Path(__file__).resolve().parents[1]
-SRC = ROOT / "src"
-PTH = SRC / "te_gqa_fix_autopatch.pth"
 
 
 @pytest.fixture(autouse=True)
@@ -398,15 +394,10 @@ def test_parse_setting(value: Optional[str], expected: Tuple[Optional[str], bool
 
 
 def run_python(code: str, env: Dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess:
-    full = {k: v for k, v in os.environ.items() if not k.startswith(("TE_GQA_FIX", "FAKE_TE"))}
-    full["PYTHONPATH"] = os.pathsep.join([env.pop("PYTHONPATH_FIRST", ""), str(SRC)]).strip(
-        os.pathsep
-    )
-    full.update(env)
-    return subprocess.run(
-        [sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=120,
-        cwd=tmp_path,
-    )  # fmt: skip
+    """``code`` in a fresh interpreter in ``tmp_path``, ``src`` importable (after the paths
+    of ``env["PYTHONPATH_FIRST"]``), no TE_GQA_FIX* or FAKE_TE* variable but ``env``'s."""
+    first = env.pop("PYTHONPATH_FIRST", "")
+    return run_code(code, child_env(first, SRC, drop=("TE_GQA_FIX", "FAKE_TE"), **env), tmp_path)
 
 
 GLOBAL_VERSION = (
@@ -433,7 +424,6 @@ def test_the_first_global_copy_wins(builds: Dict[str, Path], tmp_path: Path, pre
         + GLOBAL_VERSION
     )
     proc = run_python(code, {}, tmp_path)
-    assert proc.returncode == 0, proc.stderr
     assert f"GLOBAL {91900 if preload else 91400}" in proc.stdout
 
 
@@ -456,7 +446,6 @@ def test_refuses_once_a_cudnn_is_loaded(builds: Dict[str, Path], tmp_path: Path)
         f"cudnn.use_fixed_cudnn({str(fixed)!r})\nprint('SAME OK')\n"
     )
     proc = run_python(code, {}, tmp_path)
-    assert proc.returncode == 0, proc.stderr
     refused = [ln for ln in proc.stdout.splitlines() if ln.startswith("REFUSED")]
     shown = [(r.count(str(fixed)), r.endswith(" ...")) for r in refused]
     assert shown == [(2, False), (3, False), (3, True)]
@@ -536,12 +525,6 @@ PROBE = (
 )
 
 
-def probe(proc: subprocess.CompletedProcess) -> dict:
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE")]
-    assert proc.returncode == 0 and len(lines) == 1, proc.stdout + proc.stderr
-    return json.loads(lines[0][len("PROBE") :])
-
-
 @pytest.mark.parametrize("value", ["auto", "strict", "auto, and TE_GQA_FIX_AUTOPATCH=1"])
 def test_auto_loads_the_fixed_build_before_te_and_te_runs_it(
     builds: Dict[str, Path], tmp_path: Path, value: str
@@ -551,7 +534,7 @@ def test_auto_loads_the_fixed_build_before_te_and_te_runs_it(
     both = {"TE_GQA_FIX_AUTOPATCH": "1"} if "AUTOPATCH" in value else {}
     env = _hook_env(builds, tmp_path, "fixed", **{cudnn.ENV_CUDNN: value.split(",")[0], **both})
     proc = run_python(PROBE, env, tmp_path)
-    out = probe(proc)
+    out = probed(proc)
     # At start-up only the stdlib hook and the settings are imported, nothing is loaded yet.
     assert out["early"] == {
         "_te_gqa_fix_autopatch": True,
@@ -573,7 +556,7 @@ def test_auto_with_no_fixed_build_logs_and_te_keeps_its_cudnn(
     """Strict: test_strict_failure_stays_a_failure_on_every_import."""
     env = _hook_env(builds, tmp_path, "old", **{cudnn.ENV_CUDNN: "auto"})
     proc = run_python(PROBE, env, tmp_path)
-    assert probe(proc)["te"] == [9, 14, 0]
+    assert probed(proc)["te"] == [9, 14, 0]
     assert "found no cuDNN >= 9.18" in proc.stdout and "9.14.0" in proc.stdout
 
 
@@ -593,7 +576,6 @@ def test_strict_failure_stays_a_failure_on_every_import(
         "        print('IMPORTED', attempt)\n"
     )
     proc = run_python(code, env, tmp_path)
-    assert proc.returncode == 0, proc.stderr
     assert "RAISED 1 True True" in proc.stdout and "RAISED 2 True True" in proc.stdout, proc.stdout
 
 

@@ -10,6 +10,7 @@ replaced by a fake (``te_gqa_fix.fallback.decide``/``run``) that records what it
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
@@ -31,16 +32,24 @@ GQA, MHA = dict(heads_q=4, heads_kv=2), dict(heads_q=2, heads_kv=2)
 
 
 class Stack:
-    """The stack the wrapper sees: the tensors on CUDA device ``device``, whose facts are
-    ``facts[device]`` (device 0: Hopper with the given cuDNN unless told otherwise)."""
+    """The stack the wrapper sees, and a wrapped fake TE 2.20 (``fake``, ``wrapped``): the
+    tensors on CUDA device ``device``, whose facts are ``facts[device]`` (device 0: Hopper
+    with the given cuDNN unless told otherwise), ``TE_GQA_FIX_GUARD`` set to ``guard`` (None:
+    unset), and the exact fallback replaced by ``exact``, a :class:`FakeFallback` that
+    declines with ``declines`` (None: serves)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, cudnn: Optional[tuple],
-                 capability: Optional[tuple] = HOPPER) -> None:  # fmt: skip
+                 capability: Optional[tuple] = HOPPER, guard: Optional[str] = None,
+                 declines: Optional[str] = None) -> None:  # fmt: skip
         self.device = 0
         self.facts = {0: RuntimeFacts(capability, cudnn)}  # type: ignore[arg-type]
         monkeypatch.setattr(wrapper_module, "_device_index", lambda q: self.device)
         monkeypatch.setattr(affected, "runtime_facts", lambda index: self.facts[index])
         affected.reset()
+        if guard is not None:
+            monkeypatch.setenv("TE_GQA_FIX_GUARD", guard)
+        self.exact = FakeFallback(monkeypatch, declines)
+        self.fake, self.wrapped = FakeTE.with_wrapper("2.20")
 
 
 def _args(head_dim: int = 256, d_v: Optional[int] = None, heads: Optional[dict] = None,
@@ -94,10 +103,9 @@ def test_auto_passes_through_on_fixed_cudnn(
         device = torch.device("cuda", 0)
 
     read_device = wrapper_module._device_index
-    Stack(monkeypatch, FIXED)
+    stack = Stack(monkeypatch, FIXED, guard="strict")
     monkeypatch.setattr(wrapper_module, "_device_index", read_device)
-    monkeypatch.setenv("TE_GQA_FIX_GUARD", "strict")
-    fake, wrapped = FakeTE.with_wrapper("2.20")
+    fake, wrapped = stack.fake, stack.wrapped
     with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
         for _ in range(3):
             fake.backend.reset()
@@ -127,18 +135,17 @@ def test_post_pass_on_every_call_where_cudnn_is_not_known_fixed_or_always(
     every call, not only the first, each checked against the oracle; at a repairable head
     dim, or beyond one with the guard off, there is nothing to say and the fallback is never
     asked."""
-    Stack(monkeypatch, cudnn, capability)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    asked = FakeFallback(monkeypatch, None).asked
-    fake, wrapped = FakeTE.with_wrapper("2.20")
+    stack = Stack(monkeypatch, cudnn, capability)
+    fake, wrapped = stack.fake, stack.wrapped
     with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
         for i in range(3):
             fake.backend.reset()
             wrapped(**_args(head_dim=head_dim, heads=heads))
             assert_post_pass(fake.backend.outputs, RAGGED, "padding_causal", (-1, -1), None)
             assert call_counts()["fixed"] == i + 1
-    assert _warnings(caplog) == [] and asked == []
+    assert _warnings(caplog) == [] and stack.exact.asked == []
     assert call_counts() == {"calls": 3, "fixed": 3, "skipped": 0, "passthrough": 0, "fallback": 0}
 
 
@@ -149,10 +156,10 @@ def test_post_pass_on_every_call_where_cudnn_is_not_known_fixed_or_always(
 def test_guard_warn_warns_once_and_keeps_tes_result(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, heads: dict
 ) -> None:
-    Stack(monkeypatch, AFFECTED)
-    monkeypatch.setenv("TE_GQA_FIX_GUARD", "warn")
-    asked = FakeFallback(monkeypatch, None).asked
-    fake, wrapped = FakeTE.with_wrapper("2.20")
+    """Beyond repair, warn: TE's result on every call (post-pass run where it applies), one
+    warning naming the configuration and the remedy, the fallback never asked."""
+    stack = Stack(monkeypatch, AFFECTED, guard="warn")
+    fake, wrapped = stack.fake, stack.wrapped
     with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
         for _ in range(3):
             fake.backend.reset()
@@ -164,20 +171,8 @@ def test_guard_warn_warns_once_and_keeps_tes_result(
                 assert_untouched(fake.backend.outputs)
     (said,) = _warnings(caplog)
     assert "head dim 256" in said and "sm90" in said and "cuDNN 9.14.0" in said, said
-    assert "TE_GQA_FIX_CUDNN=auto" in said, said
-    assert asked == []
+    assert "TE_GQA_FIX_CUDNN=auto" in said and stack.exact.asked == [], said
     assert call_counts()["fixed" if heads is GQA else "skipped"] == 3
-
-
-@pytest.mark.parametrize("heads", [GQA, MHA], ids=["gqa", "mha"])
-def test_guard_strict_raises_on_every_call(monkeypatch: pytest.MonkeyPatch, heads: dict) -> None:
-    Stack(monkeypatch, AFFECTED)
-    monkeypatch.setenv("TE_GQA_FIX_GUARD", "strict")
-    fake, wrapped = FakeTE.with_wrapper("2.20")
-    for _ in range(3):  # cached call shapes too
-        with pytest.raises(UnrepairableConfiguration, match="head dim 256 on sm90"):
-            wrapped(**_args(heads=heads))
-    assert fake.backend.calls == [], "TE ran under strict"
 
 
 @pytest.mark.parametrize(
@@ -203,11 +198,8 @@ def test_fallback_replaces_tes_call(
     one left out: its default)."""
     from fakes.te_outputs import split_call
 
-    Stack(monkeypatch, AFFECTED)
-    if setting is not None:
-        monkeypatch.setenv("TE_GQA_FIX_GUARD", setting)
-    exact = FakeFallback(monkeypatch, None)
-    fake, wrapped = FakeTE.with_wrapper("2.20")
+    stack = Stack(monkeypatch, AFFECTED, guard=setting)
+    fake, wrapped, exact = stack.fake, stack.wrapped, stack.exact
     with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
         for i in range(2):
             exact.backend.reset()
@@ -234,9 +226,9 @@ def test_fallback_that_declines_raises_with_its_reason_and_the_remedy(
     """Issue 32: the default guard never returns a gradient it knows is wrong. Where the
     fallback declines, every call raises, naming its reason, the remedy and the way out;
     TE's original never runs; the decision is made once per call shape."""
-    Stack(monkeypatch, AFFECTED)
-    exact = FakeFallback(monkeypatch, "dropout=0.1 (cuDNN's dropout mask cannot be replayed)")
-    fake, wrapped = FakeTE.with_wrapper("2.20")
+    reason = "dropout=0.1 (cuDNN's dropout mask cannot be replayed)"
+    stack = Stack(monkeypatch, AFFECTED, declines=reason)
+    fake, wrapped, exact = stack.fake, stack.wrapped, stack.exact
     for i in range(4):
         ragged = RAGGED if i % n_shapes == 0 else make_ragged([(2, 2), (0, 3)])
         with pytest.raises(UnrepairableConfiguration) as err:
@@ -249,35 +241,27 @@ def test_fallback_that_declines_raises_with_its_reason_and_the_remedy(
     assert call_counts() == {"calls": 4, "fixed": 0, "skipped": 0, "passthrough": 0, "fallback": 0}
 
 
-def test_fallback_output_not_understood_passes_through(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    Stack(monkeypatch, AFFECTED)
-    exact = FakeFallback(monkeypatch, None)
-    monkeypatch.setattr(
-        fallback, "run", lambda plan, call: exact.asked.append(call) or {"dq": None}
-    )
-    fake = FakeTE("2.20")
-    assert wrapper_for(fake.fn)(**_args()) == {"dq": None}
-    assert len(exact.asked) == 1 and fake.backend.calls == []
+def test_fallback_output_not_understood_passes_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fallback output the post-pass does not understand is returned as it is; TE never ran."""
+    stack = Stack(monkeypatch, AFFECTED)
+    asked = stack.exact.asked
+    monkeypatch.setattr(fallback, "run", lambda plan, call: asked.append(call) or {"dq": None})
+    assert stack.wrapped(**_args()) == {"dq": None}
+    assert len(asked) == 1 and stack.fake.backend.calls == []
     assert call_counts() == {"calls": 1, "fixed": 0, "skipped": 0, "passthrough": 1, "fallback": 0}
 
 
-def test_guard_setting_change_between_calls_takes_effect(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_guard_setting_change_between_calls_takes_effect(monkeypatch: pytest.MonkeyPatch) -> None:
     """One call shape, the setting changed between calls: each call does what it says."""
-    Stack(monkeypatch, AFFECTED)
-    exact = FakeFallback(monkeypatch, None)
-    fake, wrapped = FakeTE.with_wrapper("2.20")
+    stack = Stack(monkeypatch, AFFECTED)
     for mode in ("warn", "strict", "off", "fallback", "strict"):
         monkeypatch.setenv("TE_GQA_FIX_GUARD", mode)
         if mode == "strict":
             with pytest.raises(UnrepairableConfiguration):
-                wrapped(**_args())
+                stack.wrapped(**_args())
         else:
-            wrapped(**_args())
-    assert len(fake.backend.calls) == 2 and len(exact.asked) == 1
+            stack.wrapped(**_args())
+    assert len(stack.fake.backend.calls) == 2 and len(stack.exact.asked) == 1
     assert call_counts() == {"calls": 5, "fixed": 2, "skipped": 0, "passthrough": 0, "fallback": 1}
 
 
@@ -286,10 +270,9 @@ def test_guard_counts_configurations_and_devices(
 ) -> None:
     """One warning per configuration (device, head dims), whatever the call shape; a
     device of another stack is decided on its own facts, also for a cached call shape."""
-    stack = Stack(monkeypatch, AFFECTED)
+    stack = Stack(monkeypatch, AFFECTED, guard="warn")
     stack.facts[1] = RuntimeFacts(AMPERE, AFFECTED)
-    monkeypatch.setenv("TE_GQA_FIX_GUARD", "warn")
-    _, wrapped = FakeTE.with_wrapper("2.20")
+    wrapped = stack.wrapped
     with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
         for head_dim, ragged in ((256, RAGGED), (256, RAGGED), (192, RAGGED)):
             wrapped(**call_arguments("2.20", ragged, head_dim=head_dim, **GQA))
@@ -305,23 +288,32 @@ def test_guard_counts_configurations_and_devices(
 
 
 @pytest.mark.parametrize(
-    ("d_qk", "d_v", "unrepairable"),
-    [(192, 128, False), (128, 192, True), (128, 128, False), (192, 192, True), (256, 256, True)],
+    ("d_qk", "d_v", "heads", "said"),
+    [
+        (192, 128, GQA, None),
+        (128, 192, GQA, "head dim 128 (q/k) / 192 (v) on sm90"),
+        (128, 128, GQA, None),
+        (192, 192, GQA, "head dim 192 on sm90"),
+        (256, 256, GQA, "head dim 256 on sm90"),
+        (256, 256, MHA, "head dim 256 on sm90"),
+    ],
 )
-def test_guard_reads_the_qk_and_v_head_dims(
-    monkeypatch: pytest.MonkeyPatch, d_qk: int, d_v: int, unrepairable: bool
+def test_guard_strict_reads_the_qk_and_v_head_dims(
+    monkeypatch: pytest.MonkeyPatch, d_qk: int, d_v: int, heads: dict, said: Optional[str]
 ) -> None:
-    """The rule is per (q/k head dim, v head dim): 192/128 was measured clean."""
-    Stack(monkeypatch, AFFECTED)
-    monkeypatch.setenv("TE_GQA_FIX_GUARD", "strict")
-    fake = FakeTE("2.20")
-    arguments = _args(head_dim=d_qk, d_v=d_v)
-    if unrepairable:
-        with pytest.raises(UnrepairableConfiguration):
-            wrapper_for(fake.fn)(**arguments)
-    else:
-        wrapper_for(fake.fn)(**arguments)
+    """The rule is per (q/k head dim, v head dim): 192/128 was measured clean, so the
+    post-pass runs. Beyond repair, strict raises on every call (cached call shapes too),
+    GQA or MHA, naming the head dims and the GPU, and TE never runs."""
+    stack = Stack(monkeypatch, AFFECTED, guard="strict")
+    fake, wrapped = stack.fake, stack.wrapped
+    if said is None:
+        wrapped(**_args(head_dim=d_qk, d_v=d_v, heads=heads))
         assert_post_pass(fake.backend.outputs, RAGGED, "padding_causal", (-1, -1), None)
+        return
+    for _ in range(3):
+        with pytest.raises(UnrepairableConfiguration, match=re.escape(said)):
+            wrapped(**_args(head_dim=d_qk, d_v=d_v, heads=heads))
+    assert fake.backend.calls == [], "TE ran under strict"
 
 
 def test_cpu_tensors_are_never_guarded(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -342,9 +334,8 @@ def test_fixed_cudnn_still_wrong_at_256_128_goes_to_the_fallback(
 ) -> None:
     """q/k 256 with v 128 was measured wrong on cuDNN 9.19 too: there the wrapper does not
     pass it through; the fallback serves it, and names the build measured right (9.27)."""
-    Stack(monkeypatch, FIXED)
-    asked = FakeFallback(monkeypatch, None).asked
-    fake, wrapped = FakeTE.with_wrapper("2.20")
+    stack = Stack(monkeypatch, FIXED)
+    fake, wrapped, asked = stack.fake, stack.wrapped, stack.exact.asked
     with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
         wrapped(**_args(256, d_v=128, heads=heads))
         wrapped(**_args(256))  # 256/256 on a fixed cuDNN: passed through

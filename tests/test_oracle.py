@@ -38,8 +38,8 @@ from te_gqa_fix.postpass import dead_row_masks
 from te_gqa_fix.postpass.offset_errors import OffsetsError
 from te_gqa_fix.wrapper import wrapper_for
 
-UNKNOWN_MASKS = ("arbitrary", "padding_bottom_right_typo", None)
-MASKS = (*KNOWN_MASK_TYPES, *UNKNOWN_MASKS)
+ACCEPTED_MASKS = (*KNOWN_MASK_TYPES, "arbitrary")  # others are refused: test_bad_input.py
+MASKS = (*ACCEPTED_MASKS, "padding_bottom_right_typo", None)
 LAYOUTS = ("separate", "thd_t2hd", "thd_th2d")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 POISON = (float("nan"), float("inf"), float("-inf"), 1000.0)
@@ -76,16 +76,18 @@ def _is_causal(mask: object) -> bool:
 
 
 @st.composite
-def mask_args(draw: st.DrawFn, masks: Tuple[object, ...] = MASKS):
+def mask_args(draw: st.DrawFn, masks: Tuple[object, ...] = MASKS, bad: bool = True):
     """``(attn_mask_type, window_size, bottom_right_diagonal)`` as TE passes them.
 
     Causal masks get ``right`` in {-1, 0} (what TE's check_set_window_size leaves);
     ``right > 0`` with a causal mask is tested separately (the library keeps a superset).
-    A few malformed windows are drawn too: the library must fall back to the
-    conservative set, which the oracle models the same way.
+    With ``bad``, a few malformed windows are drawn too: ``key_span`` must fall back to the
+    conservative set, which the oracle models the same way (the public API refuses them:
+    tests/test_bad_input.py's ``SHARED`` rows).
     """
     mask = draw(st.sampled_from(masks))
-    kind = draw(st.sampled_from(["window", "window", "window", "none", "default", "bad"]))
+    kinds = ["window", "window", "window", "none", "default", *(["bad"] if bad else [])]
+    kind = draw(st.sampled_from(kinds))
     left = draw(st.integers(-1, 6))
     right = draw(st.sampled_from([-1, 0]) if _is_causal(mask) else st.integers(-1, 6))
     windows = {"window": (left, right), "none": None, "default": (-1, -1)}
@@ -93,15 +95,6 @@ def mask_args(draw: st.DrawFn, masks: Tuple[object, ...] = MASKS):
     window = windows[kind] if kind in windows else draw(bad)
     brd = draw(st.sampled_from([None, True, False]))
     return mask, window, brd
-
-
-def _strict_ok(mask: object, window: object) -> bool:
-    """Whether the public API accepts these mask arguments (else ValueError, issue #13)."""
-    mask_ok = isinstance(mask, str) and (mask in KNOWN or mask == "arbitrary")
-    window_ok = window is None or (
-        isinstance(window, tuple) and len(window) == 2 and all(w >= -1 for w in window)
-    )
-    return mask_ok and window_ok
 
 
 def _random_rows(shape: Tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -155,7 +148,7 @@ def _make_grads(
 @SETTINGS
 @given(
     ragged=raggeds(),
-    masks=mask_args(),
+    masks=mask_args(ACCEPTED_MASKS, bad=False),
     layout=st.sampled_from(LAYOUTS),
     with_dq=st.booleans(),
     dtype=st.sampled_from(DTYPES),
@@ -175,6 +168,9 @@ def test_zero_set_and_dead_row_masks_match_brute_force_oracle(
     head_dim: int,
     seed: int,
 ) -> None:
+    """On mask arguments the public API accepts (the others: test_bad_input.py's SHARED),
+    dead_row_masks and zero_dead_rows give exactly the oracle's rows: kept bit for bit,
+    the rest +0 whatever they held; dq=None leaves dq alone."""
     mask, window, brd = masks
     keep_q, keep_kv = expected_keep(ragged, mask, window, brd)
     dq, dk, dv, checked = _make_grads(
@@ -184,15 +180,6 @@ def test_zero_set_and_dead_row_masks_match_brute_force_oracle(
     offsets = ragged.tensors()
     args = dict(attn_mask_type=mask, window_size=window, bottom_right_diagonal=brd)
     rows = dict(rows_q=ragged.rows_q if with_dq else None, rows_kv=ragged.rows_kv)
-    if not _strict_ok(mask, window):
-        with pytest.raises(ValueError, match=r"^(attn_mask_type|window_size): expected"):
-            zero_dead_rows(dq, dk, dv, *offsets, **args)
-        for name, t in checked.items():
-            assert torch.equal(bits(t), bits(before[name])), "bad input must change nothing"
-        with pytest.raises(ValueError, match=r"^(attn_mask_type|window_size): expected"):
-            dead_row_masks(*offsets, **rows, **args)
-        return
-
     dead = dead_row_masks(*offsets, **rows, **args)
     assert dead.kv.dtype == torch.bool and (~dead.kv).tolist() == keep_kv
     if with_dq:
@@ -263,8 +250,7 @@ def test_hand_worked_example_padding_causal() -> None:
         tail_q=1,
         tail_kv=1,
     )
-    assert ragged.pad_kv == (1, 5, 8, 9) and ragged.rows_kv == 10
-    assert ragged.pad_q == (1, 4, 5, 9) and ragged.rows_q == 10
+    # buffer offsets: q (1, 4, 5, 9), kv (1, 5, 8, 9), in 10 rows each
     cu_q, cu_kv, pad_q, pad_kv = ragged.tensors()
     F, T = False, True
     cases = {
@@ -419,7 +405,7 @@ def _reference_backward(
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     ragged=raggeds(max_seqs=4, max_len=5),
-    masks=mask_args(masks=(*KNOWN_MASK_TYPES, "arbitrary")),
+    masks=mask_args(ACCEPTED_MASKS, bad=False),
     heads_kv=st.integers(1, 2),
     group=st.integers(1, 3),
     seed=st.integers(0, 2**16),
@@ -428,8 +414,6 @@ def test_rows_with_nonzero_true_gradient_are_never_zeroed(
     ragged: Ragged, masks, heads_kv: int, group: int, seed: int
 ) -> None:
     mask, window, brd = masks
-    if not _strict_ok(mask, window):  # the public API refuses these (tested above)
-        window = (-1, -1)
     heads_q, head_dim = heads_kv * group, 3
     true_dq, true_dk, true_dv = _reference_backward(
         ragged, mask, window, brd, heads_q, heads_kv, head_dim, seed

@@ -209,7 +209,6 @@ def test_drop_in_function_uses_installed_te(fake_te: Path) -> None:
     te_package.BACKEND.reset()
     args = _arguments()
     order = list(inspect.signature(original).parameters)
-    assert sorted(order) == sorted(args)
     _assert_fixed(te_gqa_fix.fused_attn_bwd(*[args[n] for n in order]))
     assert te_gqa_fix.call_counts()["fixed"] == 2
     # It shares the wrapper install() puts in place: no wrapper of a wrapper, one post-pass.

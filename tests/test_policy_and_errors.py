@@ -1,36 +1,15 @@
-"""Settings read as the environment is now, and TE absent (that importing te_gqa_fix imports
-no TE: the first check of tests/test_triton_postpass.py's worker). The bad-input tables:
-tests/test_bad_input.py (the post-pass), test_hot_path.py (the wrapper), test_cli.py (plan and
-doctor); the setting typos: test_settings.py; no host sync: test_oracle.py."""
+"""TE absent: what te-gqa-fix does without Transformer Engine (that importing te_gqa_fix
+imports no TE is the first check of tests/test_triton_postpass.py's worker)."""
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
 import torch
 
 import te_gqa_fix
-from te_gqa_fix import settings, zero_dead_rows
-
-
-def test_settings_read_os_environ_as_it_is_now(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``get`` reads os.environ's own store: a set, changed or deleted variable, an
-    os.environ replaced by another mapping, and an ``environ`` argument are read as given."""
-    monkeypatch.setenv("TE_GQA_FIX", "off")
-    assert settings.get("TE_GQA_FIX") == "off"
-    monkeypatch.setenv("TE_GQA_FIX", "Always")
-    assert settings.get("TE_GQA_FIX") == "always"
-    monkeypatch.delenv("TE_GQA_FIX")
-    assert settings.get("TE_GQA_FIX") == "auto"
-    assert settings.get("TE_GQA_FIX", {"TE_GQA_FIX": "0"}) == "off"
-    monkeypatch.setattr(os, "environ", {"TE_GQA_FIX": "off", "TE_GQA_FIX_GUARD": "strict"})
-    assert settings.get("TE_GQA_FIX") == "off"
-    assert settings.get("TE_GQA_FIX_GUARD") == "strict"
-
-
-# ------------------------------------------------------------------------ TE absent
+from te_gqa_fix import zero_dead_rows
 
 
 @pytest.fixture

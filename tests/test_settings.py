@@ -3,22 +3,20 @@
 One table of typos per variable: each must be a :class:`SettingError` naming the variable,
 the value (cut when long) and what is accepted, at every place the variable is read: the
 wrapper and the post-pass raise before TE runs, the start-up line logs it at ERROR and
-stays off, and ``doctor`` shows it.
+stays off, and ``doctor`` shows it (a mistyped guard: no fallback in its verdict either).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import runpy
-import sys
-from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import pytest
 import torch
 
 import _te_gqa_fix_autopatch as boot
+from fakes.interpreter import run_pth_line
 from fakes.oracle import make_ragged
 from fakes.te_outputs import FakeTE, call_arguments
 from te_gqa_fix import autopatch, settings, validation, zero_dead_rows
@@ -26,7 +24,6 @@ from te_gqa_fix import wrapper as wrapper_module
 from te_gqa_fix.cli import doctor, report
 from te_gqa_fix.settings import SETTINGS, SettingError
 from te_gqa_fix.stack import affected, cudnn
-from te_gqa_fix.stack import versions as stack
 from te_gqa_fix.stack.versions import RuntimeFacts
 
 RAGGED = make_ragged([(2, 3), (0, 2), (3, 1)], gaps_kv=[1, 0, 1], lead_kv=1, tail_kv=1)
@@ -64,6 +61,21 @@ def test_accepted_values(
     assert value == expected
 
 
+def test_settings_read_os_environ_as_it_is_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``get`` reads os.environ's own store: a set, changed or deleted variable, an
+    os.environ replaced by another mapping, and an ``environ`` argument are read as given."""
+    monkeypatch.setenv("TE_GQA_FIX", "off")
+    assert settings.get("TE_GQA_FIX") == "off"
+    monkeypatch.setenv("TE_GQA_FIX", "Always")
+    assert settings.get("TE_GQA_FIX") == "always"
+    monkeypatch.delenv("TE_GQA_FIX")
+    assert settings.get("TE_GQA_FIX") == "auto"
+    assert settings.get("TE_GQA_FIX", {"TE_GQA_FIX": "0"}) == "off"
+    monkeypatch.setattr(os, "environ", {"TE_GQA_FIX": "off", "TE_GQA_FIX_GUARD": "strict"})
+    assert settings.get("TE_GQA_FIX") == "off"
+    assert settings.get("TE_GQA_FIX_GUARD") == "strict"
+
+
 def test_a_shown_value_is_cut_past_80_characters_of_its_repr() -> None:
     assert settings.shown(b"x" * 77) == repr(b"x" * 77)  # 80 characters: whole
     assert settings.shown(b"x" * 78) == f"{repr(b'x' * 78)[:80]}...(81 chars)"
@@ -74,7 +86,7 @@ def test_every_exported_name_exists(module) -> None:
     assert module.__all__ and all(hasattr(module, n) for n in module.__all__)
 
 
-def _wrapper_call(monkeypatch: pytest.MonkeyPatch, head_dim: int) -> Callable[[], List]:
+def _wrapper_call(monkeypatch: pytest.MonkeyPatch, head_dim: int) -> List[dict]:
     """A wrapped fake TE on an affected Hopper stack; returns the backend's calls."""
     monkeypatch.setattr(wrapper_module, "_device_index", lambda q: 0)
     monkeypatch.setattr(
@@ -88,22 +100,18 @@ def _wrapper_call(monkeypatch: pytest.MonkeyPatch, head_dim: int) -> Callable[[]
     return fake.backend.calls
 
 
-def _post_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+def _post_pass() -> None:
     i32 = dict(dtype=torch.int32)
     cu_q, cu_kv = torch.tensor([0, 0, 2], **i32), torch.tensor([0, 2, 4], **i32)
     with pytest.raises(SettingError):
         zero_dead_rows(None, torch.ones(4, 1, 1), torch.ones(4, 1, 1), cu_q, cu_kv)
 
 
-def _start_up_line(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> str:
-    """Run the shipped ``.pth`` line here; it must log one ERROR and put no hook in place."""
-    ours = (boot.TEImportHook, boot.CudnnPreloadHook)
-    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if not isinstance(f, ours)])
-    monkeypatch.setattr(boot, "_state", runpy.run_path(boot.__file__)["_state"])
-    pth = Path(boot.__file__).with_name(boot.PTH_NAME).read_text()
-    (line,) = [ln for ln in pth.splitlines() if ln.startswith("import")]
+def _start_up_line(caplog: pytest.LogCaptureFixture) -> str:
+    """Run the shipped ``.pth`` line here (after the ``hook`` fixture); it must log one ERROR
+    and put no hook in place."""
     with caplog.at_level(logging.ERROR, logger="te_gqa_fix"):
-        exec(line, {})
+        run_pth_line()
     (record,) = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert not boot._hooks() and not boot._hooks(boot._CUDNN_MARKER)
     assert boot.state()["cudnn_route"] is False and boot.state()["activated_by"] is None
@@ -128,10 +136,15 @@ TYPOS: Dict[str, List[str]] = {
     ids=lambda x: x if len(x) < 30 else f"{len(x)}-chars",
 )
 def test_a_mistyped_setting_is_a_named_error_wherever_it_is_read(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, name: str, value: str
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    doctor_probes: Callable[..., List[str]],
+    hook: Any,
+    name: str,
+    value: str,
 ) -> None:
-    """Before: stirct/raise meant warn, 2 meant off, none meant on, atuo was a folder, and a
-    long value was echoed in full in every process."""
+    """Before: stirct/raise meant warn (and doctor counted the fallback), 2 meant off, none
+    meant on, atuo was a folder, and a long value was echoed in full in every process."""
     monkeypatch.setenv(name, value)
     with pytest.raises(SettingError) as err:
         settings.get(name)
@@ -142,14 +155,16 @@ def test_a_mistyped_setting_is_a_named_error_wherever_it_is_read(
     folder = ["a folder", "'strict:FOLDER'"] if name == "TE_GQA_FIX_CUDNN" else []
     assert sorted(listed) == sorted([repr(s) for s in SETTINGS[name][0] if s] + folder)
     assert len(message) < 400
-    # doctor shows it, as a setting and a warning
-    monkeypatch.setattr(stack, "te_info", lambda: {"imported": False, "error": "not here"})
-    monkeypatch.setattr(stack, "gpu_info", lambda: {"available": False})
-    monkeypatch.setattr(cudnn, "find_builds", lambda: [])
-    rep = doctor.collect(live=False)
+    # doctor shows it, as a setting and a warning; a mistyped guard is no fallback there
+    doctor_probes("9.14.0", installed=True)  # head dim 256 on it: only the fallback serves it
+    rep = doctor.collect(live=False, head_dim=256)
     assert rep["settings"][name]["error"] == message and message in rep["warnings"]
     assert rep["settings"][name]["help"] == SETTINGS[name][2] != ""
-    assert f"  {name:<20} ERROR: {message}" in report.format_report(rep)
+    text = report.format_report(rep)
+    assert f"  {name:<20} ERROR: {message}" in text
+    if name == "TE_GQA_FIX_GUARD":
+        assert rep["verdict"]["fallback"] is False and "computes its gradients" not in text
+        assert rep["exit_code"] == doctor.EXIT_UNREPAIRABLE
     # where the variable is read; the wrapper's three: at its first call, before TE runs, even
     # a call (MHA) that needs none of them
     if name in ("TE_GQA_FIX", "TE_GQA_FIX_GUARD", "TE_GQA_FIX_VALIDATE"):
@@ -160,9 +175,8 @@ def test_a_mistyped_setting_is_a_named_error_wherever_it_is_read(
     if name in ("TE_GQA_FIX", "TE_GQA_FIX_GUARD"):  # the guard: at a head dim beyond repair
         assert _wrapper_call(monkeypatch, 256 if name == "TE_GQA_FIX_GUARD" else 3) == []
     elif name == "TE_GQA_FIX_VALIDATE":
-        _post_pass(monkeypatch)
+        _post_pass()
     else:
         assert (
-            _start_up_line(monkeypatch, caplog)
-            == f"te_gqa_fix: {message}; the start-up hook ignores it (off)"
+            _start_up_line(caplog) == f"te_gqa_fix: {message}; the start-up hook ignores it (off)"
         )

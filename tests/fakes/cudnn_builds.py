@@ -129,15 +129,13 @@ def stub_build(
     suffix: str = "9",
     header_version: Optional[Tuple[int, int, int]] = None,
     symbol: bool = True,
-    sub_libraries: bool = True,
 ) -> Path:
     """A build on disk that can never be loaded: ELF magic, then the exported names a real
     ``libcudnn.so.9`` holds (``cudnnGetVersion`` unless ``symbol`` is False). For the checks
     that must refuse before loading: loading one fails with an OSError of its own. Names end
     in ``.so.<suffix>``, with a ``.so.9`` link when ``suffix`` is a full version."""
     lib_dir.mkdir(parents=True, exist_ok=True)
-    names = (*SUB_LIBRARIES, "libcudnn") if sub_libraries else ("libcudnn",)
-    for name in names:
+    for name in (*SUB_LIBRARIES, "libcudnn"):
         exported = b"\0cudnnGetVersion\0" if name == "libcudnn" and symbol else b"\0x\0"
         (lib_dir / f"{name}.so.{suffix}").write_bytes(b"\x7fELF" + b"\0" * 60 + exported)
         if suffix != "9":

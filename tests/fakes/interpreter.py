@@ -1,4 +1,5 @@
-"""Run a test file's kernel checks in one child process under the Triton interpreter.
+"""Child Python processes of the CPU tests: code run in a fresh interpreter, and a test
+file's kernel checks in one child process under the Triton interpreter.
 
 ``TRITON_INTERPRET`` is read when Triton decorates a kernel, and Tritons without
 triton-lang/triton#8735 leave ``triton.language`` patched after an interpreted run, which
@@ -10,25 +11,56 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Callable, Dict, Mapping
+from typing import Callable, Dict, Mapping, Optional
 
 from . import background
 
 ROOT = Path(__file__).resolve().parents[2]
+SRC = ROOT / "src"
+PTH = SRC / "te_gqa_fix_autopatch.pth"  # the start-up file the wheel puts in site-packages
+
+
+def child_env(*paths: object, drop: tuple = ("TE_GQA_FIX",), **env: str) -> Dict[str, str]:
+    """This process's environment for a child: no variable whose name starts with one of
+    ``drop``, ``paths`` first on ``PYTHONPATH`` (then what it held), then ``env``."""
+    out = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    path = [*map(str, paths), out.get("PYTHONPATH", "")]
+    return {**out, "PYTHONPATH": os.pathsep.join(p for p in path if p), **env}
+
+
+def run_code(
+    code: str, env: Dict[str, str], cwd: Optional[Path] = None
+) -> subprocess.CompletedProcess:
+    """``python -c code`` in a fresh interpreter with ``env`` (:func:`child_env`); it must
+    exit 0."""
+    cmd = [sys.executable, "-c", code]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=cwd)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def probed(proc: subprocess.CompletedProcess) -> dict:
+    """What a child printed as JSON on its one line that starts with ``PROBE``."""
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE")]
+    assert len(lines) == 1, proc.stdout + proc.stderr
+    return json.loads(lines[0][len("PROBE") :])
+
+
+def run_pth_line() -> None:
+    """Run the shipped start-up line in this process, as ``site`` does."""
+    (line,) = [ln for ln in PTH.read_text().splitlines() if ln.startswith("import")]
+    exec(line, {})
 
 
 def start_checks(test_file: str, out_dir: Path) -> background.Job:
     """Start ``python test_file OUT`` with ``TRITON_INTERPRET=1`` (its results:
     :func:`results`)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TE_GQA_FIX")}
-    env["TRITON_INTERPRET"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT / "src"), str(ROOT / "tests"), env.get("PYTHONPATH", "")) if p
-    )
+    env = child_env(SRC, ROOT / "tests", TRITON_INTERPRET="1")
     cmd = [sys.executable, str(Path(test_file).resolve()), str(out_dir / "results.json")]
     return background.Job(cmd, out_dir, timeout=600, env=env, cwd=str(ROOT))
 

@@ -32,15 +32,9 @@ class FakeFloat8Storage:
     """Like TE's ``Float8TensorStorage``: raw bytes in ``_data`` (logical shape), an
     optional cached transpose, ``size()`` and ``device`` but no ``shape`` attribute."""
 
-    def __init__(
-        self,
-        data: torch.Tensor,
-        transpose: Optional[torch.Tensor] = None,
-        transpose_invalid: bool = False,
-    ) -> None:
+    def __init__(self, data: torch.Tensor, transpose: Optional[torch.Tensor] = None) -> None:
         self._data = data
         self._transpose = transpose
-        self._transpose_invalid = transpose_invalid
 
     def size(self, *args: Any) -> Any:
         return self._data.size(*args)
@@ -151,7 +145,7 @@ class FakeTE:
 
     @property
     def names(self) -> List[str]:
-        return parameter_names(self.fn)
+        return list(inspect.signature(self.fn).parameters)
 
     @classmethod
     def with_wrapper(cls, version: str) -> Tuple[FakeTE, Callable[..., Any]]:
@@ -160,10 +154,6 @@ class FakeTE:
 
         fake = cls(version)
         return fake, wrapper_for(fake.fn)
-
-
-def parameter_names(fn: Callable[..., Any]) -> List[str]:
-    return list(inspect.signature(fn).parameters)
 
 
 def call_arguments(
