@@ -138,7 +138,7 @@ def render(data: Dict[str, Any]) -> str:
                 [
                     d.get("build") or "-",
                     str(r["tokens"]),
-                    r.get("offsets", "one"),
+                    r.get("offsets", "-"),
                     r.get("mode", "synced"),
                     _fmt(r["step_ms"], " ms", 3),
                     _fmt(r["added_us"], " us"),
