@@ -11,6 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from fakes.oracle import Ragged
+from fakes.te_outputs import call_arguments
+from fakes.te_signatures import build_fake
+from te_gqa_fix.postpass import dead_row_masks
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 if str(BENCH) not in sys.path:
@@ -18,7 +23,13 @@ if str(BENCH) not in sys.path:
 
 import bench_postpass  # noqa: E402
 import bench_report  # noqa: E402
-from common import by_name, cumsum, packed  # noqa: E402
+from common import packed  # noqa: E402
+
+
+def _batch(tokens: int) -> Ragged:
+    """``packed(tokens)`` as the fakes' batch: both sides padded alike, ``tokens`` rows each."""
+    b = packed(tokens)
+    return Ragged(*(tuple(b[n]) for n in ("lq", "lk", "pad", "pad")), tokens, tokens)
 
 
 def test_performance_page_is_rendered_from_its_data_file() -> None:
@@ -33,22 +44,15 @@ def test_a_missing_benchmark_renders_as_a_placeholder() -> None:
 
 @pytest.mark.parametrize("name", list(bench_postpass.WORKLOADS))
 def test_dead_rows_are_the_postpass_rows(name: str) -> None:
-    from te_gqa_fix.postpass import dead_row_masks
-
     tokens = bench_postpass.WORKLOADS[name][0]
-    b = packed(tokens)
-    cq, ck, pad = (
-        torch.tensor(x, dtype=torch.int32) for x in (cumsum(b["lq"]), cumsum(b["lk"]), b["pad"])
-    )
     dead = dead_row_masks(
-        cq, ck, pad, pad, rows_q=tokens, rows_kv=tokens, attn_mask_type=bench_postpass.MASK
+        *_batch(tokens).tensors(), rows_q=tokens, rows_kv=tokens, attn_mask_type=bench_postpass.MASK
     )
-    assert bench_postpass.dead_rows(b, tokens) == {"kv": int(dead.kv.sum()), "q": int(dead.q.sum())}
+    want = {"kv": int(dead.kv.sum()), "q": int(dead.q.sum())}
+    assert bench_postpass.dead_rows(packed(tokens), tokens) == want
 
 
 def test_host_timing_measures_the_modes_it_names(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fakes.te_signatures import build_fake
-
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.delenv("TE_GQA_FIX", raising=False)
     te_calls = []
@@ -58,35 +62,10 @@ def test_host_timing_measures_the_modes_it_names(monkeypatch: pytest.MonkeyPatch
         return [torch.full_like(bound[n], 1000.0) for n in ("q", "k", "v")] + [None]
 
     te = build_fake("2.20", body)
-    b = packed(512)
-    i32 = dict(dtype=torch.int32)
-    offs = {
-        "cu_seqlens_q": torch.tensor(cumsum(b["lq"]), **i32),
-        "cu_seqlens_kv": torch.tensor(cumsum(b["lk"]), **i32),
-        "cu_seqlens_q_padded": torch.tensor(b["pad"], **i32),
-        "cu_seqlens_kv_padded": torch.tensor(b["pad"], **i32),
-    }
-    q, k = (torch.randn(512, heads, 8, dtype=torch.bfloat16) for heads in (4, 2))
-    kw = by_name(
-        te,
-        max_seqlen_q=256,
-        max_seqlen_kv=256,
-        q=q,
-        k=k,
-        v=k.clone(),
-        o=q,
-        d_o=q,
-        aux_ctx_tensors=[],
-        fake_dtype=torch.bfloat16,
-        fused_attention_backend=None,
-        qkv_layout="thd_thd_thd",
-        o_format="thd",
-        do_format="thd",
-        dqkv_layout="thd_thd_thd",
-        attn_mask_type=bench_postpass.MASK,
-        window_size=(-1, -1),
-        **offs,
+    kw = call_arguments(  # 4 query heads, 2 KV heads
+        "2.20", _batch(512), head_dim=8, dtype=torch.bfloat16, attn_mask_type=bench_postpass.MASK
     )
+    offs = tuple(kw[f"cu_seqlens_{side}"] for side in ("q", "kv", "q_padded", "kv_padded"))
     out = te(**kw)
     launched = []
     plan = object()  # what prepare_kernel returns where CUDA and Triton are present
@@ -95,12 +74,14 @@ def test_host_timing_measures_the_modes_it_names(monkeypatch: pytest.MonkeyPatch
     res = bench_postpass.host_us(te, kw, out, {"postpass": "always", "passthrough": "off"}, 20)
     assert len(te_calls) == 1, "the stub must stand in for TE's function"
     assert "launch" in res and len(launched) == 30  # 10 warm-up rounds + 20
-    want = (plan, *out[:3], tuple(offs.values()))  # TE's order: valid q/kv, padded q/kv
+    want = (plan, *out[:3], offs)  # TE's order: valid q/kv, padded q/kv
     assert all(len(a) == 5 and all(x is y for x, y in zip(a[:4], want)) for a in launched)
     assert all(all(x is y for x, y in zip(a[4], want[4])) for a in launched)
     assert res["did"]["postpass"]["fixed"] == 1 and res["did"]["passthrough"]["fixed"] == 0
     assert all(res["did"][m]["returned_stub_output"] for m in ("postpass", "passthrough"))
-    assert int((out[1] == 0).all(dim=(1, 2)).sum()) == bench_postpass.dead_rows(b, 512)["kv"]
+    assert (
+        int((out[1] == 0).all(dim=(1, 2)).sum()) == bench_postpass.dead_rows(packed(512), 512)["kv"]
+    )
 
 
 def test_startup_rows_name_the_module_they_import(

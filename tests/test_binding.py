@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any, Optional, Tuple
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -66,17 +66,10 @@ def _expected_brd(version: str, brd: Optional[bool]) -> Optional[bool]:
     return brd if version == "2.20" else None  # TE 2.8 has no bottom_right_diagonal
 
 
-def _check_fixed(
-    fake: FakeTE,
-    out: Any,
-    mask: str,
-    window: Tuple[int, int],
-    brd: Optional[bool],
-    fix_q: bool = True,
-) -> None:
+def _check_fixed(fake: FakeTE, out: Any, mask: str, window: tuple, brd: Optional[bool]) -> None:
     assert out is fake.backend.returned, "the wrapper must return TE's own object"
     outputs = fake.backend.outputs
-    assert_post_pass(outputs, RAGGED, mask, window, brd, fix_q)
+    assert_post_pass(outputs, RAGGED, mask, window, brd)
     after, before = outputs["extra"]
     assert torch.equal(bits(after), bits(before)), "extra outputs must be untouched"
 

@@ -9,6 +9,7 @@ runs on CPU, or with no importable TE at all.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import runpy
@@ -204,20 +205,17 @@ def test_plan_row_by_row(
 
 
 def test_plan_from_json_file_matches_flags(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    batch = {
+        "cu_seqlens_q": [0, 0, 3],
+        "cu_seqlens_kv": [0, 3, 9],
+        "cu_seqlens_q_padded": [0, 4, 12],
+        "cu_seqlens_kv_padded": [0, 4, 12],
+        "attn_mask_type": "padding_causal",
+        "window_size": [-1, -1],
+        "bottom_right_diagonal": False,  # top-left, as the mask's name says
+    }
     f = tmp_path / "batch.json"
-    f.write_text(
-        json.dumps(
-            {
-                "cu_seqlens_q": [0, 0, 3],
-                "cu_seqlens_kv": [0, 3, 9],
-                "cu_seqlens_q_padded": [0, 4, 12],
-                "cu_seqlens_kv_padded": [0, 4, 12],
-                "attn_mask_type": "padding_causal",
-                "window_size": [-1, -1],
-                "bottom_right_diagonal": False,  # top-left, as the mask's name says
-            }
-        )
-    )
+    f.write_text(json.dumps(batch))
     from_file = run_plan_json(capsys, ["--file", str(f)])
     from_flags = run_plan_json(capsys, [*SEED_ARGS, "--bottom-right-diagonal", "false"])
     assert from_file == from_flags
@@ -390,18 +388,9 @@ def test_plan_reasons_agree_with_the_post_pass(inp: PlanInput) -> None:
     """Every row gets a reason that matches what the post-pass does to it."""
     plan = build_plan(inp)
     assert plan.consistent
-    i32 = dict(dtype=torch.int32)
-    dead = dead_row_masks(
-        torch.tensor(inp.cu_seqlens_q, **i32),
-        torch.tensor(inp.cu_seqlens_kv, **i32),
-        torch.tensor(inp.cu_seqlens_q_padded, **i32),
-        torch.tensor(inp.cu_seqlens_kv_padded, **i32),
-        rows_q=inp.rows_q,
-        rows_kv=inp.rows_kv,
-        attn_mask_type=inp.attn_mask_type,
-        window_size=inp.window_size,
-        bottom_right_diagonal=inp.bottom_right_diagonal,
-    )
+    fields = dataclasses.asdict(inp)  # TE's argument names, as the post-pass takes them
+    offsets = {k: torch.tensor(v, dtype=torch.int32) for k, v in fields.items() if "seqlens" in k}
+    dead = dead_row_masks(**{**fields, **offsets})
     assert plan.kv_zeroed == dead.kv.tolist()
     assert dead.q is not None and plan.q_zeroed == dead.q.tolist()
     covered = sum(r.stop - r.start for r in plan.runs("kv"))

@@ -46,13 +46,8 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
     if fb.compiler() is None:
         pytest.skip("needs a C compiler")
     base = tmp_path_factory.mktemp("cudnn")
-    out = {
-        "old": base / "site_old",
-        "fixed": base / "site_fixed",
-        "newest": base / "site_newest",
-        "anon": base / "site_anon",
-        "system": base / "sys",
-    }
+    out = {name: base / f"site_{name}" for name in ("old", "fixed", "newest", "anon")}
+    out["system"] = base / "sys"
     fb.wheel_build(out["old"], (9, 14, 0), how="header")
     fb.wheel_build(out["fixed"], (9, 19, 0), how="metadata")
     decoy = out["fixed"] / "nvidia_cudnn_cu12-9.10.0.dist-info"  # its RECORD: another folder

@@ -20,19 +20,10 @@ from te_gqa_fix import zero_dead_rows
 from te_gqa_fix.cli.plan import PlanInput, build_plan
 from te_gqa_fix.postpass import offset_errors
 
-NAMES = (
-    "dq",
-    "dk",
-    "dv",
-    "cu_seqlens_q",
-    "cu_seqlens_kv",
-    "cu_seqlens_q_padded",
-    "cu_seqlens_kv_padded",
-    "attn_mask_type",
-    "window_size",
-    "bottom_right_diagonal",
-    "rows_q",
-    "rows_kv",
+#: What an error may name first: the arguments of both entry points.
+NAMES = tuple(
+    "dq dk dv cu_seqlens_q cu_seqlens_kv cu_seqlens_q_padded cu_seqlens_kv_padded attn_mask_type "
+    "window_size bottom_right_diagonal rows_q rows_kv".split()
 )
 MASKS = (*KNOWN, "arbitrary", "padding_casual", "", None, 3)
 WINDOWS = ((-1, -1), (0, 0), (2, 0), (1, 3), None, (-5, 0), (1,), (1, 2, 3), "wide", (1.5, 0))
@@ -198,17 +189,8 @@ def _plan_verdict(case: Dict[str, Any], rows_given: bool) -> None:
     pad_kv = pk if case["pad_kv"] else None
     rows_q = case["rows_q"] if rows_given else None
     rows_kv = case["rows_kv"] if rows_given else None
-    inp = PlanInput(
-        cu_seqlens_q=tuple(cu_q),
-        cu_seqlens_kv=tuple(cu_kv),
-        cu_seqlens_q_padded=None if pad_q is None else tuple(pad_q),
-        cu_seqlens_kv_padded=None if pad_kv is None else tuple(pad_kv),
-        attn_mask_type=case["mask"],
-        window_size=case["window"],
-        bottom_right_diagonal=case["brd"],
-        rows_q=rows_q,
-        rows_kv=rows_kv,
-    )
+    offsets = [None if x is None else tuple(x) for x in (cu_q, cu_kv, pad_q, pad_kv)]
+    inp = PlanInput(*offsets, case["mask"], case["window"], case["brd"], rows_q, rows_kv)
     n = len(cu_q)
     lengths_ok = all(len(x) == n for x in (cu_kv, *(p for p in (pad_q, pad_kv) if p is not None)))
     lengths_ok = lengths_ok and n >= 1

@@ -34,20 +34,6 @@ RAGGED = make_ragged([(3, 5), (0, 4), (4, 0), (2, 2), (5, 3)], gaps_q=[1, 0, 2, 
 OTHER = make_ragged([(0, 6), (2, 3), (1, 1)], gaps_kv=[1, 0, 2], lead_kv=1, tail_kv=2)
 
 
-def _count_checks(monkeypatch: pytest.MonkeyPatch) -> List[tuple]:
-    """Record every check_metadata call the wrapper and the post-pass make (its names)."""
-    seen: List[tuple] = []
-    real = validation.check_metadata
-
-    def counting(*args: Any, **kwargs: Any) -> None:
-        seen.append(tuple(kwargs.get("names", args[9] if len(args) > 9 else ("dq", "dk", "dv"))))
-        real(*args, **kwargs)
-
-    for module in (wrapper_module, postpass):
-        monkeypatch.setattr(module, "check_metadata", counting)
-    return seen
-
-
 def _te_then(monkeypatch: pytest.MonkeyPatch, then: Callable[[FakeBackend, list], Any]) -> None:
     """The fake TE returns ``then(backend, outputs)`` instead of its outputs."""
     plain = FakeBackend.__call__
@@ -59,18 +45,31 @@ def _check(fake: FakeTE, ragged: Any = RAGGED, mask: str = "padding_causal", win
     assert_post_pass(fake.backend.outputs, ragged, mask, window, brd)
 
 
+def _fixed_call(fake: FakeTE, wrapped: Callable, args: Optional[dict] = None, **check: Any) -> None:
+    """One call (RAGGED's by default) on fresh outputs, its rows then held to the oracle."""
+    fake.backend.reset()
+    wrapped(**(args or call_arguments("2.20", RAGGED)))
+    _check(fake, **check)
+
+
 # --------------------------------------------------------------------- one check per shape
 
 
 def test_call_shape_checked_once_not_per_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     """First call: the inputs' check (q, k, v and the offsets) and the outputs' check; later
     calls with new tensors of the same metadata: none, and every call still fixed."""
-    seen = _count_checks(monkeypatch)
+    seen: List[tuple] = []  # the names of every check_metadata call
+    real = validation.check_metadata
+
+    def counting(*args: Any, **kwargs: Any) -> None:
+        seen.append(tuple(kwargs.get("names", args[9] if len(args) > 9 else ("dq", "dk", "dv"))))
+        real(*args, **kwargs)
+
+    for module in (wrapper_module, postpass):
+        monkeypatch.setattr(module, "check_metadata", counting)
     fake, wrapped = FakeTE.with_wrapper("2.20")
     for _ in range(4):
-        fake.backend.reset()
-        wrapped(**call_arguments("2.20", RAGGED))  # new tensors every call, as in training
-        _check(fake)
+        _fixed_call(fake, wrapped)  # new tensors every call, as in training
     assert seen == [("q", "k", "v"), ("dq", "dk", "dv")]
     assert call_counts()["fixed"] == 4
 
@@ -119,9 +118,7 @@ def test_a_new_call_shape_is_checked_again_and_bad_input_never_cached(case: str)
         with pytest.raises(ValueError, match=message):
             wrapped(**bad)
     assert len(fake.backend.calls) == 1, "TE ran with bad input"
-    fake.backend.reset()
-    wrapped(**call_arguments("2.20", RAGGED))
-    _check(fake)
+    _fixed_call(fake, wrapped)
     assert call_counts()["fixed"] == 2
 
 
@@ -215,6 +212,10 @@ def test_as_many_queries_as_keys_attend_every_key(mask: str, window: tuple, brd:
 # --------------------------------------------------------------------- every fact of a call
 
 
+class _Unhashable(list):
+    __hash__ = None  # type: ignore[assignment]
+
+
 CHANGES: List[Dict[str, Any]] = [
     dict(),
     dict(attn_mask_type="padding_causal_bottom_right"),
@@ -225,6 +226,8 @@ CHANGES: List[Dict[str, Any]] = [
     dict(layout="thd_th2d", attn_mask_type="padding_causal_bottom_right"),
     dict(ragged=OTHER),
     dict(ragged=OTHER, heads_q=6, heads_kv=3, head_dim=5),
+    dict(attn_mask_type="padding", window_size=_Unhashable([1, 0])),  # twice, never cached
+    dict(attn_mask_type="padding", window_size=_Unhashable([1, 0])),
     dict(),
 ]
 
@@ -232,34 +235,17 @@ CHANGES: List[Dict[str, Any]] = [
 @pytest.mark.parametrize("version", ["2.8", "2.20"])
 def test_each_call_follows_every_change(version: str) -> None:
     """One wrapper, one call after another with the mask, window, diagonal flag, layout,
-    batch or shapes changed: each call's rows match the oracle (a stale entry would not)."""
+    batch or shapes changed: each call's rows match the oracle (a stale entry would not).
+    A window of a list type without a hash is decided without the cache, still right."""
     fake, wrapped = FakeTE.with_wrapper(version)
     for change in CHANGES:
-        change = dict(change)
-        ragged = change.pop("ragged", RAGGED)
-        if version == "2.8":
-            change.pop("bottom_right_diagonal", None)
+        args = {"attn_mask_type": "padding_causal", "window_size": (-1, -1), **change}
+        ragged = args.pop("ragged", RAGGED)
+        brd = args.get("bottom_right_diagonal") if version == "2.20" else None  # 2.8: no flag
         fake.backend.reset()
-        wrapped(**call_arguments(version, ragged, **change))
-        brd = change.get("bottom_right_diagonal") if version == "2.20" else None
-        window = tuple(change.get("window_size", (-1, -1)))
-        _check(fake, ragged, change.get("attn_mask_type", "padding_causal"), window, brd)
+        wrapped(**call_arguments(version, ragged, **args))
+        _check(fake, ragged, args["attn_mask_type"], tuple(args["window_size"]), brd)
     assert call_counts()["fixed"] == len(CHANGES)
-
-
-def test_unhashable_window_still_works() -> None:
-    """A window of a list type without a hash: decided without the cache, still right."""
-
-    class Window(list):
-        __hash__ = None  # type: ignore[assignment]
-
-    fake, wrapped = FakeTE.with_wrapper("2.20")
-    for _ in range(2):
-        fake.backend.reset()
-        args = call_arguments("2.20", RAGGED, attn_mask_type="padding")
-        args["window_size"] = Window([1, 0])
-        wrapped(**args)
-        _check(fake, mask="padding", window=(1, 0))
 
 
 def test_which_layout_argument_was_given_decides() -> None:
@@ -268,11 +254,9 @@ def test_which_layout_argument_was_given_decides() -> None:
     that left it out: nothing to do there."""
     fake, wrapped = FakeTE.with_wrapper("2.20")
     for _ in range(2):
-        fake.backend.reset()
         arguments = call_arguments("2.20", RAGGED)
         del arguments["dqkv_layout"]
-        wrapped(**arguments)
-        _check(fake)
+        _fixed_call(fake, wrapped, arguments)
     fake.backend.reset()
     arguments = call_arguments("2.20", RAGGED)
     arguments["dqkv_layout"] = "sbh3d"
@@ -306,9 +290,7 @@ def test_policy_change_between_calls_is_honoured(monkeypatch: pytest.MonkeyPatch
     assert_untouched(fake.backend.outputs)
     assert call_counts()["skipped"] == 1  # MHA under auto: not even checked
     monkeypatch.setenv("TE_GQA_FIX", "always")
-    fake.backend.reset()
-    wrapped(**call_arguments("2.20", RAGGED, **mha))
-    _check(fake)
+    _fixed_call(fake, wrapped, call_arguments("2.20", RAGGED, **mha))
     monkeypatch.setenv("TE_GQA_FIX", "off")
     fake.backend.reset()
     wrapped(**call_arguments("2.20", RAGGED))
@@ -333,13 +315,9 @@ def test_validate_change_between_calls_is_honoured(monkeypatch: pytest.MonkeyPat
 # --------------------------------------------------------------------- outputs
 
 
-def test_new_output_metadata_is_checked_and_planned_again(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_new_output_metadata_is_checked_and_planned_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """The launch plan depends on the outputs' metadata: the same call shape with outputs
-    of new strides is planned again (and run with that plan); outputs that disagree with
-    each other pass through untouched, logged once naming the gradient (issue 34: TE has run,
-    so there is nothing left to refuse)."""
+    of new strides is planned again (and run with that plan)."""
     plans: List[tuple] = []
     ran: List[Optional[object]] = []
     real_run = postpass.zero_checked
@@ -358,9 +336,7 @@ def test_new_output_metadata_is_checked_and_planned_again(
     monkeypatch.setattr(postpass, "zero_checked", run)
     fake, wrapped = FakeTE.with_wrapper("2.20")
     for _ in range(2):
-        fake.backend.reset()
-        wrapped(**call_arguments("2.20", RAGGED))
-        _check(fake)
+        _fixed_call(fake, wrapped)
     assert len(plans) == 1 and ran == ["plan 1", "plan 1"]
 
     def strided_dq(backend: FakeBackend, out: list) -> list:
@@ -369,48 +345,44 @@ def test_new_output_metadata_is_checked_and_planned_again(
         return out[:3]  # and no extra output: (dq, dk, dv) is gradients too
 
     _te_then(monkeypatch, strided_dq)
-    fake.backend.reset()
-    wrapped(**call_arguments("2.20", RAGGED))
-    _check(fake)
+    _fixed_call(fake, wrapped)
     assert len(plans) == 2 and plans[1][0] != plans[0][0] and ran[-1] == "plan 2"
 
-    _te_then(monkeypatch, lambda backend, out: [*out[:2], out[2][:-1], *out[3:]])
-    with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
-        for _ in range(2):
-            fake.backend.reset()
-            wrapped(**call_arguments("2.20", RAGGED))
-    assert len(ran) == 3, "the post-pass ran on outputs that disagree"
-    (said,) = [r.getMessage() for r in caplog.records]
-    assert "dv: expected the same number of token rows as dk" in said and "untouched" in said
-    assert call_counts()["passthrough"] == 2
+
+def _on_meta(index: int) -> Callable[[list], list]:
+    return lambda out: [t.to("meta") if t is out[index] else t for t in out]
 
 
-@pytest.mark.parametrize("name", ["dq", "dv"])
-def test_outputs_on_another_device_are_checked(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, name: str
-) -> None:
-    """After a good call, TE returning one gradient on another device (same shape, strides
-    and dtype) is checked as on a first call: the output key must hold every output's
-    device, not only dK's. Such outputs pass through untouched, logged."""
-    _, wrapped = FakeTE.with_wrapper("2.20")
-    wrapped(**call_arguments("2.20", RAGGED))
-    index = ("dq", "dk", "dv").index(name)
-    _te_then(monkeypatch, lambda b, out: [t.to("meta") if t is out[index] else t for t in out])
-    with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
-        wrapped(**call_arguments("2.20", RAGGED))
-    (said,) = [r.getMessage() for r in caplog.records]
-    assert f"{name}: expected it on dk's device cpu, got meta" in said, said
-    assert call_counts()["passthrough"] == 1
+#: What TE returns instead of its outputs, and words of the warning that names why. The
+#: "after a good call" rows follow a good call of the same shape: outputs of new metadata
+#: are checked as on a first call, so the output key must hold every output's device.
+ODD_OUTPUTS: Dict[str, tuple] = {
+    "dict": (lambda out: dict(enumerate(out)), "returned dict, not (dq, dk, dv, ...)"),
+    "two": (lambda out: out[:2], "returned list, not (dq, dk, dv, ...)"),
+    "none": (lambda out: None, "returned NoneType"),
+    "grads-none": (lambda out: [out[0], None, None], "returned gradients it cannot read"),
+    "dk-2d": (lambda out: [out[0], out[1].flatten(1), *out[2:]], "dk: expected a THD tensor"),
+    "after a good call: dv rows": (
+        lambda out: [*out[:2], out[2][:-1], *out[3:]],
+        "dv: expected the same number of token rows as dk",
+    ),
+    "after a good call: dq on meta": (_on_meta(0), "dq: expected it on dk's device cpu, got meta"),
+    "after a good call: dv on meta": (_on_meta(2), "dv: expected it on dk's device cpu, got meta"),
+}
 
 
-@pytest.mark.parametrize("returned", ["dict", "two", "none", "grads-none", "dk-2d"])
+@pytest.mark.parametrize("case", list(ODD_OUTPUTS))
 def test_outputs_not_understood_pass_through_logged_once(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, returned: str
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, case: str
 ) -> None:
+    """Outputs the post-pass cannot read (or that disagree with each other) are returned
+    as TE returned them, untouched, with one warning naming why (issue 34: TE has run, so
+    there is nothing left to refuse), and the post-pass never runs on them."""
+    shaped, words = ODD_OUTPUTS[case]
     fake, wrapped = FakeTE.with_wrapper("2.20")
-    shaped = {"dict": lambda out: dict(enumerate(out)), "two": lambda out: out[:2],
-              "none": lambda out: None, "grads-none": lambda out: [out[0], None, None],
-              "dk-2d": lambda out: [out[0], out[1].flatten(1), *out[2:]]}[returned]  # fmt: skip
+    if case.startswith("after a good call"):
+        _fixed_call(fake, wrapped)
+        reset_call_counts()
     got: List[Any] = []
     _te_then(monkeypatch, lambda backend, out: got.append(shaped(out)) or got[-1])
     with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
@@ -419,7 +391,8 @@ def test_outputs_not_understood_pass_through_logged_once(
             assert wrapped(**call_arguments("2.20", RAGGED)) is got[-1]
             assert_untouched(fake.backend.outputs)
     said = [r for r in caplog.records if "passed through untouched" in r.getMessage()]
-    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    assert said == [r for r in caplog.records if r.levelno >= logging.WARNING] and len(said) == 1
+    assert words in said[0].getMessage(), said[0].getMessage()
     assert call_counts() == {"calls": 3, "fixed": 0, "skipped": 0, "passthrough": 3, "fallback": 0}
 
 
@@ -557,8 +530,6 @@ def test_the_bounded_cache_clears_and_decides_again(monkeypatch: pytest.MonkeyPa
     fake, wrapped = FakeTE.with_wrapper("2.20")
     shapes = [make_ragged([(n, n + 1), (0, 2)]) for n in (1, 2, 3, 4)]
     for ragged in (*shapes, shapes[0], shapes[3]):
-        fake.backend.reset()
-        wrapped(**call_arguments("2.20", ragged))
-        assert_post_pass(fake.backend.outputs, ragged, "padding_causal", (-1, -1), None)
+        _fixed_call(fake, wrapped, call_arguments("2.20", ragged), ragged=ragged)
     # 1 2 3 decided; 4 clears and is decided; 1 again (cleared); 4 is a hit.
     assert len(decided) == 5

@@ -241,15 +241,8 @@ def test_causal_mask_with_positive_right_window_keeps_a_superset(
 def test_hand_worked_example_padding_causal() -> None:
     # Sequences (lq, lk): (2, 3), (0, 2), (3, 0); one padding row after each sequence,
     # one row before the first, one after the last.
-    ragged = make_ragged(
-        [(2, 3), (0, 2), (3, 0)],
-        gaps_q=[1, 1, 1],
-        gaps_kv=[1, 1, 1],
-        lead_q=1,
-        lead_kv=1,
-        tail_q=1,
-        tail_kv=1,
-    )
+    ones = dict(gaps_q=[1, 1, 1], gaps_kv=[1, 1, 1], lead_q=1, lead_kv=1, tail_q=1, tail_kv=1)
+    ragged = make_ragged([(2, 3), (0, 2), (3, 0)], **ones)
     # buffer offsets: q (1, 4, 5, 9), kv (1, 5, 8, 9), in 10 rows each
     cu_q, cu_kv, pad_q, pad_kv = ragged.tensors()
     F, T = False, True

@@ -25,7 +25,7 @@ import random
 import sys
 from contextlib import contextmanager
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import pytest
 import torch
@@ -161,43 +161,34 @@ def _fill(base: torch.Tensor, gen: torch.Generator) -> None:
 def _buffers(case: Dict[str, Any], rows_q: int, rows_kv: int, device: str):
     """(bases, dq, dk, dv): dQ/dK/dV as views of base buffers with GUARD_ROWS spare rows."""
     gen = torch.Generator().manual_seed(case["seed"])
-    dtype, layout = case["dtype"], case["layout"]
-    h_q, h_kv, d, d_v = case["h_q"], case["h_kv"], case["d"], case["d_v"]
-    g = GUARD_ROWS
+    layout, h_q, h_kv, d = case["layout"], case["h_q"], case["h_kv"], case["d"]
     bases: List[torch.Tensor] = []
 
-    def new(*shape: int) -> torch.Tensor:
-        base = torch.empty(shape, dtype=dtype)
+    def new(rows: int, *shape: int) -> torch.Tensor:
+        """The first ``rows`` rows of a new base buffer."""
+        base = torch.empty((rows + GUARD_ROWS, *shape), dtype=case["dtype"])
         _fill(base, gen)
         bases.append(base.to(device))
-        return bases[-1]
+        return bases[-1][:rows]
 
-    dq: Optional[torch.Tensor] = None
+    def packed(rows: int, n: int) -> Tuple[torch.Tensor, ...]:
+        """``n`` views side by side in one buffer: [t, n, h, d] (t3hd, t2hd) or [t, h, n, d]."""
+        if layout.startswith("th"):
+            return new(rows, h_kv, n, d).unbind(2)
+        return new(rows, n, h_kv, d).unbind(1)
+
+    def separate(rows: int, heads: int, dim: int) -> torch.Tensor:
+        if layout == "transposed":  # heads not adjacent
+            return new(rows, dim, heads).transpose(1, 2)
+        return new(rows, heads, dim)
+
     if layout in ("t3hd", "th3d"):
-        rows = max(rows_q, rows_kv)
-        if layout == "t3hd":
-            buf = new(rows + g, 3, h_kv, d)
-            return bases, buf[:rows, 0], buf[:rows, 1], buf[:rows, 2]
-        buf = new(rows + g, h_kv, 3, d)
-        return bases, buf[:rows, :, 0], buf[:rows, :, 1], buf[:rows, :, 2]
-    if case["with_q"]:
-        if layout == "transposed":
-            dq = new(rows_q + g, d, h_q).transpose(1, 2)[:rows_q]
-        else:
-            dq = new(rows_q + g, h_q, d)[:rows_q]
-    if layout == "t2hd":
-        buf = new(rows_kv + g, 2, h_kv, d)
-        dk, dv = buf[:rows_kv, 0], buf[:rows_kv, 1]
-    elif layout == "th2d":
-        buf = new(rows_kv + g, h_kv, 2, d)
-        dk, dv = buf[:rows_kv, :, 0], buf[:rows_kv, :, 1]
-    elif layout == "transposed":
-        dk = new(rows_kv + g, d, h_kv).transpose(1, 2)[:rows_kv]
-        dv = new(rows_kv + g, d, h_kv).transpose(1, 2)[:rows_kv]
-    else:
-        dk = new(rows_kv + g, h_kv, d)[:rows_kv]
-        dv = new(rows_kv + g, h_kv, d_v)[:rows_kv]
-    return bases, dq, dk, dv
+        return (bases, *packed(max(rows_q, rows_kv), 3))
+    dq = separate(rows_q, h_q, d) if case["with_q"] else None
+    if layout in ("t2hd", "th2d"):
+        return (bases, dq, *packed(rows_kv, 2))
+    d_v = d if layout == "transposed" else case["d_v"]
+    return bases, dq, separate(rows_kv, h_kv, d), separate(rows_kv, h_kv, d_v)
 
 
 def _bytes(bases: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -363,14 +354,10 @@ def check_bad_offsets(nseq: int, first_bad: int, device: str = "cpu") -> None:
         offset_errors._reset()
         dtype = (torch.int32, torch.int64)[i % 2]
         offs = [None if x is None else torch.tensor(x, dtype=dtype) for x in (cq, ck, pq, pk)]
-        gen = torch.Generator().manual_seed(i)
-        bases = [torch.empty(rq + GUARD_ROWS, 2, 3), torch.empty(rk + GUARD_ROWS, 2, 1, 3)]
-        for b in bases:
-            _fill(b, gen)
-        bases = [b.to(device) for b in bases]
+        case = dict(seed=i, dtype=torch.float32, layout="t2hd", h_q=2, h_kv=1, d=3, with_q=True)
+        bases, dq, dk, dv = _buffers(case, rq, rk, device)  # a dQ buffer, used or not
         before = _bytes(bases)
-        dq = bases[0][:rq] if with_q else None
-        dk, dv = bases[1][:rk, 0], bases[1][:rk, 1]
+        dq = dq if with_q else None
         kernel_zero(dq, dk, dv, tuple(None if o is None else o.to(device) for o in offs), span)
         if device != "cpu":
             torch.cuda.synchronize()
