@@ -34,6 +34,10 @@ RAGGED = make_ragged([(3, 5), (0, 4), (4, 0), (2, 2), (5, 3)], gaps_q=[1, 0, 2, 
 OTHER = make_ragged([(0, 6), (2, 3), (1, 1)], gaps_kv=[1, 0, 2], lead_kv=1, tail_kv=2)
 
 
+class _Sub(torch.Tensor):
+    """A tensor subclass, as TE's FP8 tensors are (TE zero-fills only some of their rows)."""
+
+
 def _te_then(monkeypatch: pytest.MonkeyPatch, then: Callable[[FakeBackend, list], Any]) -> None:
     """The fake TE returns ``then(backend, outputs)`` instead of its outputs."""
     plain = FakeBackend.__call__
@@ -101,6 +105,10 @@ BAD: Dict[str, tuple] = {
     "offsets on meta": (  # the key must tell devices apart, not only CUDA ones
         lambda a: a.update(cu_seqlens_kv=a["cu_seqlens_kv"].to("meta")),
         r"^cu_seqlens_kv: expected a tensor with data"),
+    **{f"{n} on meta": (lambda a, n=n: a.update({n: a[n].to("meta")}), message)
+       for n, message in (("q", r"^q: expected it on k's device cpu, got meta"),
+                          ("k", r"^v: expected it on k's device meta, got cpu"),
+                          ("v", r"^v: expected it on k's device cpu, got meta"))},
 }  # fmt: skip
 
 
@@ -122,6 +130,23 @@ def test_a_new_call_shape_is_checked_again_and_bad_input_never_cached(case: str)
     assert call_counts()["fixed"] == 2
 
 
+def test_inputs_that_cannot_be_keyed_are_checked_on_every_call() -> None:
+    """Offsets of a tensor subclass cannot be keyed: good calls of them do not let a later
+    bad one of the same call shape through unchecked."""
+    fake, wrapped = FakeTE.with_wrapper("2.20")
+    for dtype in (torch.int32, torch.int32, torch.int64):
+        fake.backend.reset()
+        args = call_arguments("2.20", RAGGED)
+        args["cu_seqlens_q_padded"] = args["cu_seqlens_q_padded"].to(dtype).as_subclass(_Sub)
+        if dtype == torch.int32:
+            wrapped(**args)
+            _check(fake)
+            continue
+        with pytest.raises(ValueError, match=r"^cu_seqlens_q_padded: expected dtype torch\.int32"):
+            wrapped(**args)
+        assert not fake.backend.calls, "TE ran with bad input"
+
+
 # --------------------------------------------------------------------- self-attention
 
 #: Queries and keys at the same rows: gaps, a leading row, tail rows, a zero-length sequence;
@@ -129,10 +154,6 @@ def test_a_new_call_shape_is_checked_again_and_bad_input_never_cached(case: str)
 SELF = make_ragged([(3, 3), (0, 0), (5, 5), (2, 2)], gaps_q=[1, 0, 2, 1], gaps_kv=[1, 0, 2, 1],
                    lead_q=1, lead_kv=1, tail_q=2, tail_kv=2)  # fmt: skip
 SELF_PACKED = make_ragged([(3, 3), (0, 0), (5, 5), (2, 2)], padded=False, tail_q=2, tail_kv=2)
-
-
-class _Sub(torch.Tensor):
-    """A tensor subclass, as TE's FP8 tensors are (TE zero-fills only some of their rows)."""
 
 
 def _one_offsets_tensor(args: Dict[str, Any]) -> None:

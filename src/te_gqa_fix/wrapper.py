@@ -5,7 +5,9 @@ One call, top to bottom (``fused_attn_bwd`` below):
 1. the settings, parsed (a typo in any of them raises here, at the first call);
 2. the call's metadata -> its :class:`Decision`, made once per call shape and cached: TE's
    call untouched where a measured cuDNN is right (:mod:`.affected`), else post-pass or not,
-   the guard's verdict, the fallback's recipes, the post-pass kernel's prepared launch;
+   the guard's verdict, the fallback's recipes, the post-pass kernel's prepared launch. A
+   call returned untouched reads only the facts of that decision; one the wrapper acts on
+   also has its inputs checked, once per metadata;
 3. the guard, where TE's result is wrong beyond any post-pass: the exact fallback
    (:mod:`.fallback`) instead of TE, or an error; never TE's wrong result unless asked;
 4. the post-pass (:mod:`.postpass`) on the gradients.
@@ -141,6 +143,7 @@ class Decision:
         dq_too: dQ is THD, so its dead rows are zeroed as well.
         span: the mask's attended-key rule (:func:`te_gqa_fix.masks.key_span`).
         unrepairable: why TE's result is wrong beyond any post-pass here, or None.
+        inputs_key: the inputs' metadata last checked (:func:`_check_inputs`).
         fallback_recipes: :func:`te_gqa_fix.fallback.call_facts` -> the fallback's recipe, or
             why it declines.
         out_key, kernel_launch: the gradients' metadata and the post-pass kernel launch
@@ -150,6 +153,7 @@ class Decision:
     __slots__ = (
         "dq_too",
         "fallback_recipes",
+        "inputs_key",
         "kernel_launch",
         "out_key",
         "postpass",
@@ -169,6 +173,7 @@ class Decision:
         self.span = span
         self.unrepairable = unrepairable
         self.fallback_recipes: Dict[fallback.CallFacts, Union[fallback.Recipe, str]] = {}
+        self.inputs_key: object = _UNSET
         self.out_key: object = _UNSET
         self.kernel_launch: Optional[object] = None
 
@@ -199,9 +204,23 @@ def _head_dims(q: object, v: object) -> Tuple[int, int]:
 
 
 def _call_key(policy: str, dev: Optional[int], picked: tuple) -> Optional[tuple]:
-    """Every fact :func:`_decide` reads from a call, or None when a value cannot be keyed
-    (anything but plain tensors; a hit then means this exact metadata was checked)."""
+    """Every fact :func:`_decide` reads from a call, or None when q, k or v is not a plain
+    tensor (the call is then decided anew). What only the inputs' check reads is keyed
+    apart (:func:`_inputs_key`), so a call returned untouched reads nothing more."""
     q, k, v, cu_q, cu_kv, pad_q, pad_kv, mask, window, brd, lay, dlay = picked
+    T = _Tensor
+    if type(q) is not T or type(k) is not T or type(v) is not T:
+        return None
+    return (
+        policy, dev, q.dtype, q.shape, k.shape, v.shape, cu_q is cu_kv, pad_q is pad_kv,
+        mask, tuple(window) if type(window) is list else window, brd, lay, dlay,
+    )  # fmt: skip
+
+
+def _inputs_key(picked: tuple) -> Optional[tuple]:
+    """What the inputs' check (:func:`_check_inputs`) reads beyond the call key, or None when
+    a value cannot be keyed (the check then runs on every call)."""
+    q, k, v, cu_q, cu_kv, pad_q, pad_kv = picked[:7]
     T = _Tensor
     if not (
         type(q) is T and type(k) is T and type(v) is T and type(cu_q) is T and type(cu_kv) is T
@@ -209,12 +228,10 @@ def _call_key(policy: str, dev: Optional[int], picked: tuple) -> Optional[tuple]
     ):  # fmt: skip
         return None
     return (
-        policy, dev, q.device, q.dtype, q.shape, k.shape, k.device, v.shape, v.device,
+        q.device, k.device, v.device,
         cu_q.dtype, cu_q.shape, cu_q.device, cu_kv.dtype, cu_kv.shape, cu_kv.device,
         None if pad_q is None else (pad_q.dtype, pad_q.shape, pad_q.device),
         None if pad_kv is None else (pad_kv.dtype, pad_kv.shape, pad_kv.device),
-        cu_q is cu_kv and pad_q is pad_kv,
-        mask, tuple(window) if type(window) is list else window, brd, lay, dlay,
     )  # fmt: skip
 
 
@@ -234,11 +251,14 @@ def _self_attention(picked: tuple) -> bool:
 
 
 def _decide(policy: str, dev: Optional[int], picked: tuple) -> Optional[Decision]:
-    """What to do for one call shape, from metadata alone; None: not understood (logged).
+    """What to do for one call shape, from the facts of its :func:`_call_key` alone; None:
+    not understood (logged). A decision that acts on the call has its inputs checked by
+    :func:`_check_inputs` before TE runs.
 
-    Raises ``ValueError`` naming the argument for bad input, so a bad call is never cached.
+    Raises ``ValueError`` naming the argument for a mask TE does not have (never cached).
     """
-    q, k, v, cu_q, cu_kv, pad_q, pad_kv, mask, window, brd, lay, dlay = picked
+    q, k, v = picked[:3]
+    mask, window, brd, lay, dlay = picked[7:]
     d_qk, d_v = _head_dims(q, v)
     if policy == "auto" and dev is not None and affected.passes_through(dev, d_qk, d_v):
         return _NOTHING_TO_DO  # measured right here: nothing to repair, nothing to guard
@@ -251,19 +271,38 @@ def _decide(policy: str, dev: Optional[int], picked: tuple) -> Optional[Decision
     dq_too, kv_thd = formats
     if not kv_thd:
         return _NOTHING_TO_DO
-    sq, sk = shape_of(q), shape_of(k)
     unrepairable = None
     if dev is not None and d_qk and d_v:
         unrepairable = affected.why_unrepairable(dev, d_qk, d_v)
-    # Heads of THD tensors only: anything else is checked (and refused) below.
-    h_q = int(sq[1]) if sq and len(sq) == 3 else None
-    h_kv = int(sk[1]) if sk and len(sk) == 3 else None
+    h_q, h_kv = _thd_heads(q, k)
     postpass = policy == "always" or h_q is None or (h_q != h_kv and not _self_attention(picked))
     if not postpass and unrepairable is None:
         return _NOTHING_TO_DO
-    names = ("q", "k", "v")
-    check_metadata(q if dq_too else None, k, v, cu_q, cu_kv, pad_q, pad_kv, h_q, h_kv, names)
     return Decision(postpass, dq_too, key_span(mask, window, brd), unrepairable)
+
+
+def _thd_heads(q: object, k: object) -> Tuple[Optional[int], Optional[int]]:
+    """The query and KV heads of THD tensors (None for anything else: the inputs' check
+    refuses it)."""
+    sq, sk = shape_of(q), shape_of(k)
+    h_q = int(sq[1]) if sq and len(sq) == 3 else None
+    h_kv = int(sk[1]) if sk and len(sk) == 3 else None
+    return h_q, h_kv
+
+
+def _check_inputs(decision: Decision, picked: tuple) -> None:
+    """Check TE's q, k, v and offsets for a call the wrapper acts on, once per metadata
+    (:func:`_inputs_key`); ``ValueError`` naming the argument, before TE runs."""
+    key = _inputs_key(picked)
+    if key is not None and key == decision.inputs_key:
+        return
+    q, k, v, cu_q, cu_kv, pad_q, pad_kv = picked[:7]
+    h_q, h_kv = _thd_heads(q, k)
+    names = ("q", "k", "v")
+    check_metadata(
+        q if decision.dq_too else None, k, v, cu_q, cu_kv, pad_q, pad_kv, h_q, h_kv, names
+    )
+    decision.inputs_key = key
 
 
 def _fallback_recipe(decision: Decision, call: Mapping[str, Any]) -> Union[fallback.Recipe, str]:
@@ -379,6 +418,10 @@ def _new_wrapper(original: Callable) -> Callable:
                 if len(decisions) >= _MAX_SHAPES:
                     decisions.clear()
                 decisions[key] = decision
+        if decision is _NOTHING_TO_DO:
+            _counts[_SKIPPED] += 1
+            return original(*args, **kwargs)
+        _check_inputs(decision, picked)
         if decision.unrepairable is not None:
             out = _guarded(decision, guard, sig, args, kwargs)
             if out is not None:
