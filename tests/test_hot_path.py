@@ -249,6 +249,7 @@ CHANGES: List[Dict[str, Any]] = [
     dict(ragged=OTHER, heads_q=6, heads_kv=3, head_dim=5),
     dict(attn_mask_type="padding", window_size=_Unhashable([1, 0])),  # twice, never cached
     dict(attn_mask_type="padding", window_size=_Unhashable([1, 0])),
+    dict(attn_mask_type="padding_causal", window_size=None),  # None: unbounded, as (-1, -1)
     dict(),
 ]
 
@@ -265,7 +266,8 @@ def test_each_call_follows_every_change(version: str) -> None:
         brd = args.get("bottom_right_diagonal") if version == "2.20" else None  # 2.8: no flag
         fake.backend.reset()
         wrapped(**call_arguments(version, ragged, **args))
-        _check(fake, ragged, args["attn_mask_type"], tuple(args["window_size"]), brd)
+        window = args["window_size"]
+        _check(fake, ragged, args["attn_mask_type"], window and tuple(window), brd)
     assert call_counts()["fixed"] == len(CHANGES)
 
 

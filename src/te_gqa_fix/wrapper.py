@@ -53,7 +53,7 @@ def unwrap(fn: Callable) -> Callable:
 
 _COUNT_NAMES = ("calls", "fixed", "skipped", "passthrough", "fallback")
 _CALLS, _FIXED, _SKIPPED, _PASSTHROUGH, _FALLBACK = range(5)
-_counts: List[int] = [0] * len(_COUNT_NAMES)
+_counts: List[int] = []  # set by reset_call_counts() below
 
 
 def call_counts() -> Dict[str, int]:
@@ -71,6 +71,9 @@ def call_counts() -> Dict[str, int]:
 def reset_call_counts() -> None:
     """Set every count of :func:`call_counts` to 0."""
     _counts[:] = [0] * len(_COUNT_NAMES)
+
+
+reset_call_counts()
 
 
 #: What the wrapper reads from every call, in this order. ``dqkv_layout`` (TE >= 2.20)
