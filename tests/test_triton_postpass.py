@@ -234,14 +234,16 @@ def run_case(case: Dict[str, Any], device: str) -> None:
             assert_rows(t.cpu(), b, keep, f"{name} case={case}")
 
 
-# Fixed cases: the seed script's shape, rows wider than one shipped column tile, and a
-# context-parallel step with q-empty sequences and a kv-empty one.
+# Fixed cases: the seed script's shape, rows wider than one shipped column tile (dK wider
+# than dV too), and a context-parallel step with q-empty sequences and a kv-empty one.
 SEED_CASE = dict(
     lq=[0, 3], lk=[3, 6], padded=True, gaps_q=[4, 5], gaps_kv=[1, 2], lead=0, tail_q=0,
     tail_kv=0, layout="separate", h_q=2, h_kv=1, d=8, d_v=8, with_q=True,
     dtype=torch.float16, mask="padding_causal", window=(-1, -1), bottom_right=None, seed=1,
 )  # fmt: skip
 WIDE_CASE = dict(SEED_CASE, layout="th2d", h_q=4, h_kv=2, d=64, d_v=64, mask="padding")
+#: dK two column tiles wide, dV one (q/k head dim 128, v 64): each gets its own tile count.
+WIDE_KEYS_CASE = dict(WIDE_CASE, layout="separate", d=128)
 CP_CASE = dict(
     lq=[3, 0, 5, 1, 0, 4], lk=[6, 4, 10, 0, 3, 8], padded=True, gaps_q=[1, 2, 1, 1, 2, 0],
     gaps_kv=[0, 0, 0, 0, 2, 0], lead=0, tail_q=5, tail_kv=3, layout="t2hd", h_q=4, h_kv=2,
@@ -298,7 +300,7 @@ def many_case(nseq: int, seed: int, **changes: Any) -> Dict[str, Any]:
 def check_fixed(device: str, grid: Iterator[Dict[str, Any]]) -> None:
     """The fixed cases, and rows the kernel must actually zero (or the comparison proves
     little). Seed batch: seq 0 (rows 0-3) has no queries; seq 1 has lq 3, lk 6 at rows 4-11."""
-    for case in (SEED_CASE, WIDE_CASE, CP_CASE, *grid):
+    for case in (SEED_CASE, WIDE_CASE, WIDE_KEYS_CASE, CP_CASE, *grid):
         run_case(case, device)
     # Offsets as strided views (every other element): the launch reads them contiguous.
     cu_q, cu_kv, pad = (torch.tensor(x, dtype=torch.int32, device=device).repeat_interleave(2)[::2]
