@@ -258,7 +258,8 @@ def _decide(policy: str, dev: Optional[int], picked: tuple) -> Optional[Decision
     not understood (logged). A decision that acts on the call has its inputs checked by
     :func:`_check_inputs` before TE runs.
 
-    Raises ``ValueError`` naming the argument for a mask TE does not have (never cached).
+    Raises ``ValueError`` naming the argument for mask arguments :func:`~.masks.key_span`
+    cannot read (never cached).
     """
     q, k, v = picked[:3]
     mask, window, brd, lay, dlay = picked[7:]
