@@ -91,10 +91,27 @@ def kernel_path(name: str, **extra: int) -> Iterator[List[launch.KernelLaunch]]:
 
 
 def kernel_zero(dq, dk, dv, offsets: tuple, span: KeySpan) -> None:
-    """The kernel alone (any offset dtype it takes), through the one launch route."""
+    """The kernel alone (any offset dtype it takes), through the one launch route. On CUDA
+    the prepared launch first runs on same-layout copies (the launch that compiles), so the
+    gradients themselves get a later launch, through the prepared launcher (asserted)."""
+    kernel_launch = launch.prepare(dq, dk, dv, offsets, span)
     if dk.device.type == "cuda":
         assert launch.unsupported(dq, dk, dv, offsets) is None
-    launch.run_kernel(launch.prepare(dq, dk, dv, offsets, span), dq, dk, dv, offsets)
+        copies = [None if t is None else _same_layout(t) for t in (dq, dk, dv)]
+        launch.run_kernel(kernel_launch, *copies, offsets)  # type: ignore[arg-type]
+    launch.run_kernel(kernel_launch, dq, dk, dv, offsets)
+    if dk.device.type == "cuda":
+        # One pointer alignment (the copies' is the gradients'), so the second launch used
+        # the launcher the first one stored.
+        routes = [f.__name__ for f in kernel_launch.launchers.values()]
+        assert routes == ["launch_on_current_stream"], routes
+
+
+def _same_layout(t: torch.Tensor) -> torch.Tensor:
+    """A tensor with ``t``'s sizes, strides and storage offset in a fresh storage (whose start
+    the caching allocator aligns as it aligned ``t``'s)."""
+    storage = torch.empty(t.untyped_storage().nbytes() // t.element_size(), dtype=t.dtype, device=t.device)  # fmt: skip
+    return storage.as_strided(t.size(), t.stride(), t.storage_offset())
 
 
 # --------------------------------------------------------------------------- cases
