@@ -95,16 +95,17 @@ def kernel_zero(dq, dk, dv, offsets: tuple, span: KeySpan) -> None:
     the prepared launch first runs on same-layout copies (the launch that compiles), so the
     gradients themselves get a later launch, through the prepared launcher (asserted)."""
     kernel_launch = launch.prepare(dq, dk, dv, offsets, span)
-    if dk.device.type == "cuda":
-        assert launch.unsupported(dq, dk, dv, offsets) is None
-        copies = [None if t is None else _same_layout(t) for t in (dq, dk, dv)]
-        launch.run_kernel(kernel_launch, *copies, offsets)  # type: ignore[arg-type]
+    if dk.device.type != "cuda":
+        launch.run_kernel(kernel_launch, dq, dk, dv, offsets)
+        return
+    assert launch.unsupported(dq, dk, dv, offsets) is None
+    copies = [None if t is None else _same_layout(t) for t in (dq, dk, dv)]
+    launch.run_kernel(kernel_launch, *copies, offsets)  # type: ignore[arg-type]
     launch.run_kernel(kernel_launch, dq, dk, dv, offsets)
-    if dk.device.type == "cuda":
-        # One pointer alignment (the copies' is the gradients'), so the second launch used
-        # the launcher the first one stored.
-        routes = [f.__name__ for f in kernel_launch.launchers.values()]
-        assert routes == ["launch_on_current_stream"], routes
+    # One pointer alignment (the copies' is the gradients'), so the second launch used the
+    # launcher the first one stored.
+    launchers = [f.__name__ for f in kernel_launch.launchers.values()]
+    assert launchers == ["launch_on_current_stream"], launchers
 
 
 def _same_layout(t: torch.Tensor) -> torch.Tensor:
