@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fakes.cuda_checks import capture, no_host_sync
-from fakes.oracle import make_ragged
+from fakes.oracle import SAME_ROWS_OTHER_COUNTS, make_ragged
 from fakes.te_outputs import (
     FakeBackend,
     FakeTE,
@@ -370,6 +370,33 @@ def test_new_output_metadata_is_checked_and_planned_again(monkeypatch: pytest.Mo
     _te_then(monkeypatch, strided_dq)
     _fixed_call(fake, wrapped)
     assert len(plans) == 2 and plans[1][0] != plans[0][0] and ran[-1] == "plan 2"
+
+
+def test_a_launch_is_never_shared_between_sequence_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launch reads the offsets' length: calls of one shape whose batches hold 3, then 5
+    sequences in the same rows each run the launch prepared for their own offsets, prepared
+    once per count, alternating; every call's rows match the oracle."""
+    prepared: Dict[str, int] = {}  # launch -> the sequences it was prepared for
+    ran: List[tuple] = []
+    real_run = postpass.zero_checked
+
+    def prepare(dq: Any, dk: Any, dv: Any, offsets: tuple, span: Any) -> str:
+        name = f"launch {len(prepared) + 1}"
+        prepared[name] = offsets[0].numel() - 1
+        return name
+
+    def run(dq: Any, dk: Any, dv: Any, offsets: tuple, span: Any, launch: Any, validate: bool) -> None:  # fmt: skip
+        ran.append((launch, offsets[0].numel() - 1))
+        real_run(dq, dk, dv, offsets, span, None, validate)  # the PyTorch post-pass: CPU tensors
+
+    monkeypatch.setattr(postpass, "prepare_kernel", prepare)
+    monkeypatch.setattr(postpass, "zero_checked", run)
+    fake, wrapped = FakeTE.with_wrapper("2.20")
+    three, five = SAME_ROWS_OTHER_COUNTS
+    for ragged in (three, five, three, five):
+        _fixed_call(fake, wrapped, call_arguments("2.20", ragged), ragged=ragged)
+    assert prepared == {"launch 1": 3, "launch 2": 5}
+    assert ran == [("launch 1", 3), ("launch 2", 5)] * 2
 
 
 def _on_meta(index: int) -> Callable[[list], list]:

@@ -35,7 +35,16 @@ from hypothesis import strategies as st
 from fakes import background
 from fakes.cuda_checks import capture, no_host_sync
 from fakes.interpreter import results, start_checks, worker_main
-from fakes.oracle import KNOWN, Ragged, assert_rows, bits, expected_keep, make_ragged
+from fakes.oracle import (
+    KNOWN,
+    SAME_ROWS_OTHER_COUNTS,
+    Ragged,
+    assert_rows,
+    bits,
+    expected_keep,
+    make_ragged,
+)
+from fakes.te_outputs import FakeTE, assert_post_pass, call_arguments
 from te_gqa_fix import postpass
 from te_gqa_fix.masks import KNOWN_MASK_TYPES, KeySpan, key_span
 from te_gqa_fix.postpass import launch, offset_errors, zero_dead_rows
@@ -521,6 +530,23 @@ def _check_public_path() -> None:
         postpass.prepare_kernel = real  # type: ignore[assignment]
 
 
+def _check_wrapper_sequence_counts() -> None:
+    """The wrapper's kernel launches on calls of one shape whose batches hold 3, then 5
+    sequences in the same rows, alternating: every call's rows match the oracle through the
+    interpreted kernel (a launch prepared for another count zeroes live rows)."""
+    real = postpass.prepare_kernel
+    postpass.prepare_kernel = launch.prepare  # type: ignore[assignment]  # minus its CUDA gate
+    try:
+        fake, wrapped = FakeTE.with_wrapper("2.20")
+        for ragged in (*SAME_ROWS_OTHER_COUNTS, *SAME_ROWS_OTHER_COUNTS):
+            fake.backend.reset()
+            wrapped(**call_arguments("2.20", ragged))
+            assert_post_pass(fake.backend.outputs, ragged, "padding_causal", (-1, -1), None)
+        assert not postpass._broken
+    finally:
+        postpass.prepare_kernel = real  # type: ignore[assignment]
+
+
 def _public_body(pairs, gaps, mask, window, brd, with_q) -> None:
     n = len(pairs)
     if "causal" in mask and window[1] > 0:  # TE leaves right in {-1, 0} for causal
@@ -586,6 +612,7 @@ WORKER_CHECKS = {
     **{f"bad_offsets_{p}": (lambda p=p: _check_bad_offsets(p)) for p in ("chunks", "search")},
     **{f"malformed_{p}": (lambda p=p: _check_malformed(p)) for p in ("once", "chunks", "search")},
     "public_path": _check_public_path,
+    "wrapper_sequence_counts": _check_wrapper_sequence_counts,
 }
 
 

@@ -5,12 +5,15 @@ One call, top to bottom (``fused_attn_bwd`` below):
 1. the settings, parsed (a typo in any of them raises here, at the first call);
 2. the call's metadata -> its :class:`Decision`, made once per call shape and cached: TE's
    call untouched where a measured cuDNN is right (:mod:`.affected`), else post-pass or not,
-   the guard's verdict, the fallback's recipes, the post-pass kernel's prepared launch. A
-   call returned untouched reads only the facts of that decision; one the wrapper acts on
-   also has its inputs checked, once per metadata;
-3. the guard, where TE's result is wrong beyond any post-pass: the exact fallback
+   the guard's verdict, the fallback's recipes, the post-pass kernel's prepared launches. A
+   call returned untouched reads only the facts of that decision;
+3. for a call the wrapper acts on, its inputs' metadata (devices, the offsets' dtypes and
+   lengths) checked once per value, before TE runs;
+4. the guard, where TE's result is wrong beyond any post-pass: the exact fallback
    (:mod:`.fallback`) instead of TE, or an error; never TE's wrong result unless asked;
-4. the post-pass (:mod:`.postpass`) on the gradients.
+5. the post-pass (:mod:`.postpass`) on the gradients: a kernel launch prepared once per
+   metadata of the inputs and the gradients together, since it reads both (the number of
+   sequences is the offsets' length).
 
 Arguments are read by name through the wrapped function's signature: TE's signature drifted
 between releases and its call sites mix positional and keyword arguments. No host sync.
@@ -138,6 +141,11 @@ class _Signature:
         return dict(bound.arguments)
 
 
+#: The gradients' metadata (:func:`_out_key`) -> the post-pass for it: a prepared kernel
+#: launch, or None for the PyTorch post-pass.
+Launches = Dict[tuple, Optional[postpass.launch.KernelLaunch]]
+
+
 class Decision:
     """Everything one call shape needs, decided from its metadata at its first call.
 
@@ -146,23 +154,14 @@ class Decision:
         dq_too: dQ is THD, so its dead rows are zeroed as well.
         span: the mask's attended-key rule (:func:`te_gqa_fix.masks.key_span`).
         unrepairable: why TE's result is wrong beyond any post-pass here, or None.
-        inputs_key: the inputs' metadata last checked (:func:`_check_inputs`).
+        inputs: the inputs' metadata checked so far (:func:`_inputs_key`) -> the post-pass
+            launches prepared for those inputs, by the gradients' metadata (:func:`_out_key`):
+            a prepared kernel launch, or None for the PyTorch post-pass.
         fallback_recipes: :func:`te_gqa_fix.fallback.call_facts` -> the fallback's recipe, or
             why it declines.
-        out_key, kernel_launch: the gradients' metadata and the post-pass kernel launch
-            prepared for it (None: the PyTorch post-pass).
     """
 
-    __slots__ = (
-        "dq_too",
-        "fallback_recipes",
-        "inputs_key",
-        "kernel_launch",
-        "out_key",
-        "postpass",
-        "span",
-        "unrepairable",
-    )
+    __slots__ = ("dq_too", "fallback_recipes", "inputs", "postpass", "span", "unrepairable")
 
     def __init__(
         self,
@@ -175,10 +174,8 @@ class Decision:
         self.dq_too = dq_too
         self.span = span
         self.unrepairable = unrepairable
+        self.inputs: Dict[tuple, Launches] = {}
         self.fallback_recipes: Dict[fallback.CallFacts, Union[fallback.Recipe, str]] = {}
-        self.inputs_key: object = _UNSET
-        self.out_key: object = _UNSET
-        self.kernel_launch: Optional[object] = None
 
 
 _UNSET = object()
@@ -221,8 +218,9 @@ def _call_key(policy: str, dev: Optional[int], picked: tuple) -> Optional[tuple]
 
 
 def _inputs_key(picked: tuple) -> Optional[tuple]:
-    """What the inputs' check (:func:`_check_inputs`) reads beyond the call key, or None when
-    a value cannot be keyed (the check then runs on every call)."""
+    """What the inputs' check (:func:`_checked_inputs`) reads beyond the call key, and what a
+    post-pass launch reads of the offsets (their length, dtype, device, which are None); None
+    when a value cannot be keyed (the check then runs on every call)."""
     q, k, v, cu_q, cu_kv, pad_q, pad_kv = picked[:7]
     T = _Tensor
     if not (
@@ -256,7 +254,7 @@ def _self_attention(picked: tuple) -> bool:
 def _decide(policy: str, dev: Optional[int], picked: tuple) -> Optional[Decision]:
     """What to do for one call shape, from the facts of its :func:`_call_key` alone; None:
     not understood (logged). A decision that acts on the call has its inputs checked by
-    :func:`_check_inputs` before TE runs.
+    :func:`_checked_inputs` before TE runs.
 
     Raises ``ValueError`` naming the argument for mask arguments :func:`~.masks.key_span`
     cannot read (never cached).
@@ -294,19 +292,35 @@ def _thd_heads(q: object, k: object) -> Tuple[Optional[int], Optional[int]]:
     return h_q, h_kv
 
 
-def _check_inputs(decision: Decision, picked: tuple) -> None:
+def _checked_inputs(decision: Decision, picked: tuple) -> Launches:
     """Check TE's q, k, v and offsets for a call the wrapper acts on, once per metadata
-    (:func:`_inputs_key`); ``ValueError`` naming the argument, before TE runs."""
+    (:func:`_inputs_key`); ``ValueError`` naming the argument, before TE runs.
+
+    Returns:
+        The post-pass launches prepared for inputs of this metadata: a launch reads the
+        offsets' length, so launches are never shared between inputs of other metadata.
+    """
     key = _inputs_key(picked)
-    if key is not None and key == decision.inputs_key:
-        return
+    launches = None if key is None else decision.inputs.get(key)
+    if launches is not None:
+        return launches
     q, k, v, cu_q, cu_kv, pad_q, pad_kv = picked[:7]
     h_q, h_kv = _thd_heads(q, k)
     names = ("q", "k", "v")
     check_metadata(
         q if decision.dq_too else None, k, v, cu_q, cu_kv, pad_q, pad_kv, h_q, h_kv, names
     )
-    decision.inputs_key = key
+    launches = {}
+    if key is not None:
+        _remember(decision.inputs, key, launches)
+    return launches
+
+
+def _remember(cache: Dict[Any, Any], key: object, value: object) -> None:
+    """``cache[key] = value``, emptying ``cache`` first when it holds :data:`_MAX_SHAPES`."""
+    if len(cache) >= _MAX_SHAPES:
+        cache.clear()
+    cache[key] = value
 
 
 def _fallback_recipe(decision: Decision, call: Mapping[str, Any]) -> Union[fallback.Recipe, str]:
@@ -317,7 +331,8 @@ def _fallback_recipe(decision: Decision, call: Mapping[str, Any]) -> Union[fallb
     except TypeError:  # an unhashable argument: decide without the cache
         return fallback.decide(facts)
     if recipe is None:
-        recipe = decision.fallback_recipes[facts] = fallback.decide(facts)
+        recipe = fallback.decide(facts)
+        _remember(decision.fallback_recipes, facts, recipe)
     return recipe
 
 
@@ -360,10 +375,12 @@ def _out_key(dq: object, dk: object, dv: object) -> Optional[tuple]:
     return key if dq is None else (*key, dq.shape, dq.stride(), dq.dtype, dq.device)
 
 
-def _zero_dead_rows(decision: Decision, offsets: tuple, out: Any, validate: str) -> bool:
+def _zero_dead_rows(
+    decision: Decision, launches: Launches, offsets: tuple, out: Any, validate: str
+) -> bool:
     """The post-pass on ``out`` (TE's or the fallback's); False when ``out`` is not
-    gradients it can read (passed through untouched, logged once). ``validate``:
-    ``TE_GQA_FIX_VALIDATE``."""
+    gradients it can read (passed through untouched, logged once). ``launches``: those of
+    this call's inputs (:func:`_checked_inputs`); ``validate``: ``TE_GQA_FIX_VALIDATE``."""
     if type(out) not in (list, tuple) or len(out) < 3:
         kind = type(out).__name__
         _passthrough(("output", kind), "fused_attn_bwd returned %s, not (dq, dk, dv, ...)", kind)
@@ -371,20 +388,18 @@ def _zero_dead_rows(decision: Decision, offsets: tuple, out: Any, validate: str)
     dq = out[0] if decision.dq_too else None
     dk, dv = out[1], out[2]
     key = _out_key(dq, dk, dv)
-    if key is None or key != decision.out_key:
-        try:  # once per output metadata
+    kernel_launch = _UNSET if key is None else launches.get(key, _UNSET)
+    if kernel_launch is _UNSET:
+        try:  # once per metadata of the inputs and the gradients
             check_metadata(dq, dk, dv, *offsets)
         except ValueError as exc:
             _passthrough(("output", str(exc)), "fused_attn_bwd returned gradients it cannot read (%s)", exc)  # fmt: skip
             return False
-        span = decision.span
-        decision.kernel_launch = (
-            None if key is None else postpass.prepare_kernel(dq, dk, dv, offsets, span)
-        )  # type: ignore[arg-type]
-        decision.out_key = key
-    postpass.zero_checked(
-        dq, dk, dv, offsets, decision.span, decision.kernel_launch, validate == "on"
-    )  # type: ignore[arg-type]
+        kernel_launch = None
+        if key is not None:
+            kernel_launch = postpass.prepare_kernel(dq, dk, dv, offsets, decision.span)  # type: ignore[arg-type]
+            _remember(launches, key, kernel_launch)
+    postpass.zero_checked(dq, dk, dv, offsets, decision.span, kernel_launch, validate == "on")  # type: ignore[arg-type]
     return True
 
 
@@ -419,23 +434,21 @@ def _new_wrapper(original: Callable) -> Callable:
             if decision is None:
                 return original(*args, **kwargs)
             if key is not None:
-                if len(decisions) >= _MAX_SHAPES:
-                    decisions.clear()
-                decisions[key] = decision
+                _remember(decisions, key, decision)
         if decision is _NOTHING_TO_DO:
             _counts[_SKIPPED] += 1
             return original(*args, **kwargs)
-        _check_inputs(decision, picked)
+        launches = _checked_inputs(decision, picked)
         if decision.unrepairable is not None:
             out = _guarded(decision, guard, sig, args, kwargs)
             if out is not None:
-                if _zero_dead_rows(decision, picked[3:7], out, validate):
+                if _zero_dead_rows(decision, launches, picked[3:7], out, validate):
                     _counts[_FALLBACK] += 1
                 return out
         out = original(*args, **kwargs)
         if not decision.postpass:
             _counts[_SKIPPED] += 1
-        elif _zero_dead_rows(decision, picked[3:7], out, validate):
+        elif _zero_dead_rows(decision, launches, picked[3:7], out, validate):
             _counts[_FIXED] += 1
         return out
 

@@ -109,6 +109,16 @@ def make_ragged(
     return Ragged(lq, lk, tuple(pad_q), tuple(pad_kv), pad_q[-1] + tail_q, pad_kv[-1] + tail_kv)
 
 
+#: Two batches of the same rows, of 3 and of 5 sequences (a sequence without queries in
+#: each, padding, tail rows): packed training batches of one token count differ in their
+#: number of sequences from step to step, and so in the length of their offsets.
+SAME_ROWS_OTHER_COUNTS = (
+    make_ragged([(3, 5), (0, 4), (4, 4)], gaps_q=[1, 0, 2], gaps_kv=[1, 1, 0], tail_q=2, tail_kv=2),
+    make_ragged([(1, 2), (0, 3), (2, 2), (1, 1), (2, 2)], tail_q=6, tail_kv=7),
+)
+assert len({(r.rows_q, r.rows_kv) for r in SAME_ROWS_OTHER_COUNTS}) == 1
+
+
 def _window_or_none(window: object) -> Optional[Tuple[int, int]]:
     if window is None:
         return (-1, -1)
