@@ -65,3 +65,15 @@ def test_collect_then_render(tmp_path: Path) -> None:
     assert "- `system` failed: `test_seed.py::b`" in text
     assert "| system | t | yes | 0 | - | 0.5 |" in text
     assert "Date: 2026-01-02" in text and "03:04" not in text
+
+
+def test_sequence_counts_section_only_with_its_records() -> None:
+    report = _report()
+    stack = {"kind": "stack", "part": "tests", "build": "system", "cudnn_te": "9.14.0"}
+    case = {"kind": "case", "build": "system", "d": 256, "deterministic": True,
+            "sequences": [6, 3, 12], "exact": True, "dk_dead_max": 0.0, "dk_err": 0.25,
+            "dk_bound": 1.0, "test": "test_sweep.py::test_sequence_counts_in_one_call_shape[256-det]"}  # fmt: skip
+    assert "## Sequence counts in one call shape" not in report.render([stack])
+    text = report.render([stack, case])
+    assert "| system | 256 | yes | [6, 3, 12] | yes | 0 | 0.25 |" in text
+    assert "| system | 256 |" not in text.split("## Exactness sweep")[1].split("## Sequence")[0]

@@ -423,8 +423,21 @@ def render(recs: List[Rec]) -> str:
         "fp32 over the bound (2x PyTorch's own error in the same precision plus 4 ulps).",
         "build|heads q/kv|cases|corrupted unpatched|dead-row max unpatched|exact patched"
         "|dead-row max patched|worst err/bound",
-        _sweep_rows(cases("test_sweep.py"), builds),
+        _sweep_rows(cases("test_sweep.py::test_sweep"), builds),
     )
+    counts = cases("test_sweep.py::test_sequence_counts")
+    if counts:
+        L += _section(
+            "Sequence counts in one call shape",
+            "`tests/gpu/test_sweep.py::test_sequence_counts_in_one_call_shape`: one wrapper, GQA "
+            "8/2, bf16, calls whose batches hold 6, 3, 12, then 6 sequences in the same rows "
+            "(sequences without queries, padding, tail rows), each after a freed block of "
+            "1000.0: the post-pass (d 128), or the fallback where cuDNN is wrong on live rows "
+            "(d 256 on an affected build).",
+            "build|d|deterministic|sequences|exact|dead-row max|worst err/bound",
+            [[r["build"], r.get("d"), _fmt(r.get("deterministic")), _fmt(r.get("sequences")),
+              _fmt(r.get("exact")), _dead(r), _ratio(r)] for r in counts],
+        )  # fmt: skip
     L += _section(
         "Seed reproduction (TE #2448)",
         "2 query heads, 1 KV head, d 8, fp16, `cu_seqlens_q` [0, 0, 3], a freed block before "

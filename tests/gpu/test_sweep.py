@@ -107,3 +107,48 @@ def test_sweep(te, cudnn, affected, case, record):
     if hq == hkv:
         # MHA writes dK/dV directly: correct even unpatched
         assert not corrupted(unpatched), unpatched
+
+
+#: Three batches of the same rows with 6, 3 and 12 sequences (sequences without queries,
+#: padding, tail rows), as packed training batches of one token count come step after step.
+SAME_ROWS = [
+    (
+        LAYOUTS["q_empty"][:2],
+        dict(gap_q=LAYOUTS["q_empty"][2], gap_kv=LAYOUTS["q_empty"][3], tail=7),
+    ),
+    (([60, 0, 50], [70, 40, 77]), dict(gap_q=[3, 0, 2], gap_kv=0, tail=24)),
+    (
+        ([10, 0, 12, 5, 0, 9, 11, 0, 7, 8, 20, 3], [12, 9, 12, 6, 4, 9, 14, 5, 7, 10, 20, 3]),
+        dict(gap_q=1, gap_kv=[5] * 10 + [4, 4], tail=42),
+    ),
+]
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["nondet", "det"])
+@pytest.mark.parametrize("d", [128, 256])
+def test_sequence_counts_in_one_call_shape(te, cudnn, affected, d, deterministic, record):
+    """One wrapper, calls of one shape whose batches hold 6, 3, 12, then 6 sequences in the
+    same rows: each call exact, through the post-pass (d 128) or the fallback where cuDNN is
+    wrong on live rows (d 256 on an affected build). A launch prepared for another number
+    of sequences would zero live rows or leave stale ones."""
+    original = unwrap(te.cpp_extensions.fused_attn.fused_attn_bwd)
+    wrapper = wrapper_for(original)
+    batches = []
+    for (lq, lk), layout in SAME_ROWS:
+        batch = make_batch(
+            lq, lk, heads_q=8, heads_kv=2, head_dim=d, dtype=torch.bfloat16, **layout
+        )
+        random_inputs(batch, seed=len(lq) * d)
+        te_forward(batch)
+        batches.append(batch)
+    assert len({(b.rows_q, b.rows_kv) for b in batches}) == 1
+    results = []
+    for batch in (*batches, batches[0]):
+        poison_allocator(1000.0)
+        out = te_backward(batch, fn=wrapper, deterministic=deterministic)
+        results.append(compare(batch, out, references(batch)))
+    worst = {k: max(r[k] for r in results) for k in results[0]}
+    record(cudnn=".".join(map(str, cudnn)), affected=affected, d=d, deterministic=deterministic,
+           sequences=[len(b.lq) for b in batches], exact=all(map(exact, results)), **worst)  # fmt: skip
+    for r in results:
+        assert exact(r), r
