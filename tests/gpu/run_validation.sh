@@ -4,12 +4,16 @@
 # GPU cases of the CPU files) with per-case records (TE_GQA_FIX_RECORD) and junit
 # outcomes. Raw outputs only, in ${RES:-/tmp/te-gqa-fix-validation}; run_all.sh turns them
 # into docs/data/validation.jsonl.   Knobs: BUILDS, PYTEST_TIMEOUT, PYTEST_ARGS.
+# The builds run side by side on the one GPU (each about 6 minutes on a cold Triton cache).
 set -uo pipefail
 # shellcheck source=tests/gpu/builds.sh
 source tests/gpu/builds.sh
 res=${RES:-/tmp/te-gqa-fix-validation}
 mkdir -p "$res"
-for build in ${BUILDS:-system pip route}; do
+builds=${BUILDS:-system pip route}
+# The wheel goes into site-packages once, before any build's processes start.
+[[ " $builds " == *" route "* || " $builds " == *" cudnn927 "* ]] && ensure_wheel
+for build in $builds; do
   (
     use_build "$build"
     timeout 120 python3 -m te_gqa_fix doctor --json >"$res/doctor-$build.json" 2>"$res/doctor-$build.log"
@@ -20,5 +24,6 @@ for build in ${BUILDS:-system pip route}; do
       ${PYTEST_ARGS:-} >"$res/pytest-$build.log" 2>&1
     echo "pytest ($build): exit $?"
     tail -3 "$res/pytest-$build.log"
-  )
+  ) &
 done
+wait
