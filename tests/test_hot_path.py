@@ -216,6 +216,36 @@ def test_the_call_key_tells_one_offsets_tensor_from_two() -> None:
         _self_call(fake, wrapped, case)
 
 
+def test_the_call_key_holds_what_a_launch_and_the_inputs_check_read() -> None:
+    """Every device and the offsets' dtypes, lengths and which are None are in the key (a
+    launch reads the number of sequences; the inputs' check, the devices); values and
+    tensor identities beyond the shared offsets are not."""
+    from te_gqa_fix.wrapper import _call_key
+
+    def picked(**change: Any) -> tuple:
+        t = dict(
+            q=torch.zeros(8, 4, 2), k=torch.zeros(8, 2, 2), v=torch.zeros(8, 2, 2),
+            cu_q=torch.tensor([0, 3, 8]), cu_kv=torch.tensor([0, 4, 8]),
+            pad_q=torch.tensor([0, 4, 8]), pad_kv=torch.tensor([0, 4, 8]),
+        )  # fmt: skip
+        t.update(change)
+        return (*t.values(), "padding_causal", (-1, 0), None, "thd_thd_thd", None)
+
+    base = _call_key("auto", picked())
+    assert base is not None and _call_key("auto", picked()) == base
+    meta = {n: torch.empty(s, device="meta") for n, s in (("q", (8, 4, 2)), ("k", (8, 2, 2)), ("v", (8, 2, 2)))}  # fmt: skip
+    changes = [
+        *({n: t} for n, t in meta.items()),
+        dict(cu_kv=torch.tensor([0, 4, 8], dtype=torch.int32)),
+        dict(pad_q=torch.tensor([0, 2, 4, 8])),
+        dict(pad_kv=None),
+        dict(cu_q=torch.tensor([0, 3, 8], device="meta")),
+    ]
+    for change in changes:
+        assert _call_key("auto", picked(**change)) != base, change
+    assert _call_key("auto", picked(pad_q=[0, 4, 8])) is None  # not a tensor: decided anew
+
+
 @pytest.mark.parametrize("mask", ["padding", "padding_causal", "padding_causal_bottom_right",
                                   "arbitrary"])  # fmt: skip
 @pytest.mark.parametrize("window", [(-1, -1), (0, 0), (3, 0), (0, 2), (2, 5)])

@@ -717,6 +717,35 @@ def test_launch_reuses_the_launcher_per_pointer_alignment(monkeypatch: pytest.Mo
     )
 
 
+def test_the_c_launch_entry_is_taken_only_where_its_arguments_are_known() -> None:
+    """Triton's C entry point directly on the releases whose arguments were read
+    (``C_ENTRY_RELEASES``) and only when no scratch memory is needed; Triton's own launcher
+    anywhere else. (Against the real launcher: ``tests/gpu/test_public_postpass_cuda.py``.)"""
+
+    def compiled(**launcher: Any) -> SimpleNamespace:
+        attrs = dict(
+            launch=lambda *a: None, launch_cooperative_grid=False, launch_pdl=True,
+            global_scratch_size=0, profile_scratch_size=0,
+        )  # fmt: skip
+        attrs.update(launcher)
+        return SimpleNamespace(run=SimpleNamespace(**attrs), function=11, packed_metadata="m")
+
+    c = compiled()
+    entry, between = launch.launch_entry(c, "3.6.0")
+    assert entry is c.run.launch
+    assert between == (11, False, True, None, None, "m", None, None, None)
+    assert launch.launch_entry(c, "3.5.1")[0] is c.run.launch
+    own = (11, "m", None, None, None)
+    for version in ("3.4.0", "3.9.0", "3.10.0", "4.6.0", "unreadable"):
+        assert launch.launch_entry(c, version) == (c.run, own), version
+    for launcher in (dict(global_scratch_size=64), dict(profile_scratch_size=8)):
+        c = compiled(**launcher)
+        assert launch.launch_entry(c, "3.6.0") == (c.run, own), launcher
+    c = compiled()
+    del c.run.profile_scratch_size  # a launcher of another shape
+    assert launch.launch_entry(c, "3.6.0") == (c.run, own)
+
+
 # --------------------------------------------------------------------------- GPU
 
 

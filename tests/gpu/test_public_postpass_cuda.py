@@ -196,3 +196,35 @@ def test_pinned_word_is_written_by_triton_directly() -> None:
     launch.run_kernel(plan, dq, dk, dv, tuple(offs))
     torch.cuda.synchronize()
     assert int(word[0]) == offset_errors.ARGUMENT_BITS["cu_seqlens_kv_padded"]
+
+
+def test_the_launch_entry_gets_what_tritons_launcher_passes() -> None:
+    """``launch.launch_entry`` against this Triton: called as the post-pass calls it, the C
+    entry point receives exactly what ``CompiledKernel.run`` passes it (on the releases of
+    ``C_ENTRY_RELEASES`` the entry is the C entry point itself; elsewhere it is ``run``)."""
+    _need("triton")
+    import triton
+
+    ragged, dq, dk, dv = _case()
+    offs = tuple(ragged.tensors("cuda"))
+    plan = launch.prepare(dq, dk, dv, offs, key_span("padding_causal"))
+    compiled = launch.kernel.build()[plan.grid](dq, dk, dv, *offs, plan.err, *plan.scalars, **plan.meta)  # fmt: skip
+    run = compiled.run
+    seen: List[tuple] = []
+    real_launch = run.launch
+    run.launch = lambda *a: seen.append(a)
+    try:
+        constants = launch.kernel.build().arg_names[8 + len(plan.scalars) :]
+        args = (
+            *(t.data_ptr() for t in (dq, dk, dv, *offs)), plan.err_ptr, *plan.scalars,
+            *(plan.meta[n] for n in constants),
+        )  # fmt: skip
+        stream = torch.cuda.current_stream().cuda_stream
+        run(*plan.grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)  # fmt: skip
+        entry, between = launch.launch_entry(compiled, triton.__version__)
+        entry(*plan.grid, stream, *between, *args)
+    finally:
+        run.launch = real_launch
+    assert len(seen) == 2 and seen[0] == seen[1], seen
+    c_entry = launch._release(triton.__version__) in launch.C_ENTRY_RELEASES
+    assert (entry is not run) == c_entry, (triton.__version__, entry)

@@ -1,8 +1,12 @@
-"""Prepared launches of the post-pass kernel, and the one launch route (Triton's own).
+"""Prepared launches of the post-pass kernel, and the one launch route (:func:`run_kernel`).
 
 A :class:`KernelLaunch` holds everything a launch needs that depends only on metadata (grid,
 scalars, compile-time constants), so a caller that caches it per call shape pays for it
-once. Triton is optional: nothing here imports it until :func:`available` is asked.
+once. The first launch per pointer alignment goes through ``kernel[grid]`` (which
+compiles); later ones call Triton's launcher, or its C entry point where Triton's
+arguments to it are known (:func:`launch_entry`): in TE's wake every Python layer of a
+launch costs several times what it costs warm. Triton is optional: nothing here imports it
+until :func:`available` is asked.
 """
 
 from __future__ import annotations
@@ -169,16 +173,60 @@ def prepare(
     return KernelLaunch((n_prog, 1, 1), scalars, meta, dk.device)
 
 
+#: Triton releases whose launcher's C entry point (``CompiledKernel.run.launch``) takes
+#: ``(grid x, y, z, stream, function, cooperative grid, PDL, global scratch, profile
+#: scratch, packed metadata, launch metadata, enter hook, exit hook, *kernel arguments)``:
+#: what their ``CudaLauncher.__call__`` passes it once the scratch memory is allocated.
+C_ENTRY_RELEASES = ((3, 5), (3, 6))
+
+
+def _release(version: str) -> Tuple[int, ...]:
+    """``"3.6.0"`` -> ``(3, 6)``; ``()`` for anything unreadable."""
+    try:
+        return tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return ()
+
+
+def launch_entry(compiled: Any, triton_version: str) -> Tuple[Callable[..., None], tuple]:
+    """The function a launch of ``compiled`` calls, and its arguments between the stream and
+    the kernel's own: both are called as ``entry(x, y, z, stream, *between, *arguments)``.
+
+    Args:
+        compiled: a Triton ``CompiledKernel``.
+        triton_version: ``triton.__version__``.
+
+    Returns:
+        On a release of :data:`C_ENTRY_RELEASES`, for a kernel that needs no scratch memory,
+        the launcher's C entry point: it skips the Python layer that would allocate that
+        memory. Anywhere else Triton's own launcher, ``compiled.run``.
+    """
+    run = compiled.run
+    if (
+        _release(triton_version) in C_ENTRY_RELEASES
+        and getattr(run, "global_scratch_size", None) == 0
+        and getattr(run, "profile_scratch_size", None) == 0
+    ):
+        between = (
+            compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+            compiled.packed_metadata, None, None, None,
+        )  # fmt: skip
+        return run.launch, between
+    return run, (compiled.function, compiled.packed_metadata, None, None, None)
+
+
 def _launcher(
     compiled: Any, kernel_launch: KernelLaunch, device: torch.device
 ) -> Callable[..., None]:
-    """A launcher of ``compiled`` taking the seven tensor addresses: Triton's own
-    ``CompiledKernel.run`` on the current stream, every other argument bound now.
+    """A launcher of ``compiled`` taking the seven tensor addresses, on the current stream,
+    every other argument bound now (:func:`launch_entry`).
 
     This skips what Triton's ``compiled[grid](...)`` redoes at every launch (device and
     stream lookups through its driver, launch metadata); its launch hooks are not called.
     """
-    run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+    import triton
+
+    entry, between = launch_entry(compiled, triton.__version__)
     grid_x, grid_y, grid_z = kernel_launch.grid
     # The kernel's arguments: seven tensors, the error word, the scalars, then constants.
     names = kernel.build().arg_names[8 + len(kernel_launch.scalars) :]
@@ -187,19 +235,7 @@ def _launcher(
     index = device.index
 
     def launch_on_current_stream(*ptrs: int) -> None:
-        run(
-            grid_x,
-            grid_y,
-            grid_z,
-            stream(index),
-            function,
-            metadata,
-            None,
-            None,
-            None,
-            *ptrs,
-            *tail,
-        )
+        entry(grid_x, grid_y, grid_z, stream(index), *between, *ptrs, *tail)
 
     return launch_on_current_stream
 

@@ -47,12 +47,6 @@ class _Record:
         if self.acc is not None:
             self.acc.zero_()  # async, on the current stream
 
-    def take(self) -> int:
-        bits = self.words[0] | self.words[1]
-        if bits:
-            self.clear()
-        return bits
-
 
 _records: Dict[torch.device, _Record] = {}
 _lock = threading.Lock()
@@ -89,16 +83,18 @@ def raise_pending(device: torch.device, when: str = "an earlier") -> None:
     Hot path: a dict lookup and a host memory read, no CUDA call. ``when`` names the call.
     """
     rec = _records.get(device)
-    bits = 0 if rec is None else rec.take()
-    if bits:
-        names = ", ".join(name for name, bit in ARGUMENT_BITS.items() if bits & bit)
-        raise OffsetsError(
-            f"{names}: impossible offsets in {when} te-gqa-fix post-pass call on {device} "
-            "(expected offsets >= 0 and non-decreasing, each padded segment at least as long "
-            "as its valid length, and the last buffer offset within the buffer's rows); that "
-            "call zeroed nothing, so its gradients are TE's output unrepaired. Set "
-            "TE_GQA_FIX_VALIDATE=1 to raise in the offending call itself."
-        )
+    bits = 0 if rec is None else rec.words[0] | rec.words[1]
+    if not bits:
+        return
+    rec.clear()  # type: ignore[union-attr]
+    names = ", ".join(name for name, bit in ARGUMENT_BITS.items() if bits & bit)
+    raise OffsetsError(
+        f"{names}: impossible offsets in {when} te-gqa-fix post-pass call on {device} "
+        "(expected offsets >= 0 and non-decreasing, each padded segment at least as long "
+        "as its valid length, and the last buffer offset within the buffer's rows); that "
+        "call zeroed nothing, so its gradients are TE's output unrepaired. Set "
+        "TE_GQA_FIX_VALIDATE=1 to raise in the offending call itself."
+    )
 
 
 _DEVICE_EXPECTED = (
