@@ -1,7 +1,7 @@
 """The wrapper's decisions that depend on the stack: a fixed cuDNN, and the guard.
 
-The tensors stay on CPU; the wrapper is told they are on CUDA device 0 (``_device_index``
-and the call key) and the stack facts are the ones :mod:`te_gqa_fix.stack.affected` reads (``runtime_facts``), so
+The tensors stay on CPU; the wrapper is told they are on CUDA device 0 (``_device_index``)
+and the stack facts are the ones :mod:`te_gqa_fix.stack.affected` reads (``runtime_facts``), so
 its real rule decides: Hopper with cuDNN < 9.18 is affected; head dim 256 (or q/k 128 with
 v 192) is beyond any post-pass there; 9.18 and newer is fixed. The exact fallback is
 replaced by a fake (``te_gqa_fix.fallback.decide``/``run``) that records what it was asked.
@@ -44,18 +44,12 @@ class Stack:
         self.device = 0
         self.facts = {0: RuntimeFacts(capability, cudnn)}  # type: ignore[arg-type]
         monkeypatch.setattr(wrapper_module, "_device_index", lambda q: self.device)
-        # The call key holds q's device, which for these CPU tensors is the one told.
-        call_key = wrapper_module._call_key
-        monkeypatch.setattr(wrapper_module, "_call_key", lambda *a: self._on_device(call_key(*a)))
         monkeypatch.setattr(affected, "runtime_facts", lambda index: self.facts[index])
         affected.reset()
         if guard is not None:
             monkeypatch.setenv("TE_GQA_FIX_GUARD", guard)
         self.exact = FakeFallback(monkeypatch, declines)
         self.fake, self.wrapped = FakeTE.with_wrapper("2.20")
-
-    def _on_device(self, key: Optional[tuple]) -> Optional[tuple]:
-        return None if key is None else (self.device, key)
 
 
 def _args(head_dim: int = 256, d_v: Optional[int] = None, heads: Optional[dict] = None,

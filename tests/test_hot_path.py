@@ -216,11 +216,11 @@ def test_the_call_key_tells_one_offsets_tensor_from_two() -> None:
         _self_call(fake, wrapped, case)
 
 
-def test_the_call_key_holds_what_a_launch_and_the_inputs_check_read() -> None:
-    """Every device and the offsets' dtypes, lengths and which are None are in the key (a
-    launch reads the number of sequences; the inputs' check, the devices); values and
-    tensor identities beyond the shared offsets are not."""
-    from te_gqa_fix.wrapper import _call_key
+def test_the_inputs_key_holds_what_a_launch_and_the_inputs_check_read() -> None:
+    """Every device and the offsets' dtypes, lengths and which are None are in the inputs'
+    key (a launch reads the number of sequences; the inputs' check, the devices); values
+    and tensor identities are not."""
+    from te_gqa_fix.wrapper import _inputs_key
 
     def picked(**change: Any) -> tuple:
         t = dict(
@@ -231,8 +231,8 @@ def test_the_call_key_holds_what_a_launch_and_the_inputs_check_read() -> None:
         t.update(change)
         return (*t.values(), "padding_causal", (-1, 0), None, "thd_thd_thd", None)
 
-    base = _call_key("auto", picked())
-    assert base is not None and _call_key("auto", picked()) == base
+    base = _inputs_key(picked())
+    assert base is not None and _inputs_key(picked()) == base
     meta = {n: torch.empty(s, device="meta") for n, s in (("q", (8, 4, 2)), ("k", (8, 2, 2)), ("v", (8, 2, 2)))}  # fmt: skip
     changes = [
         *({n: t} for n, t in meta.items()),
@@ -242,8 +242,8 @@ def test_the_call_key_holds_what_a_launch_and_the_inputs_check_read() -> None:
         dict(cu_q=torch.tensor([0, 3, 8], device="meta")),
     ]
     for change in changes:
-        assert _call_key("auto", picked(**change)) != base, change
-    assert _call_key("auto", picked(pad_q=[0, 4, 8])) is None  # not a tensor: decided anew
+        assert _inputs_key(picked(**change)) != base, change
+    assert _inputs_key(picked(pad_q=[0, 4, 8])) is None  # not a tensor: checked every call
 
 
 @pytest.mark.parametrize("mask", ["padding", "padding_causal", "padding_causal_bottom_right",

@@ -3,16 +3,17 @@
 One call, top to bottom (``fused_attn_bwd`` below):
 
 1. the settings, parsed (a typo in any of them raises here, at the first call);
-2. the inputs' metadata (:func:`_call_key`) -> its :class:`Decision`, made once per call
-   shape and cached: TE's call untouched where a measured cuDNN is right (:mod:`.affected`),
-   else post-pass or not, the guard's verdict, the fallback's recipes, the post-pass
-   kernel's prepared launches. A decision that acts on the call is made only for inputs that
-   pass the check of :func:`~.validation.check_metadata`, before TE runs;
-3. the guard, where TE's result is wrong beyond any post-pass: the exact fallback
+2. the call's metadata -> its :class:`Decision`, made once per call shape and cached: TE's
+   call untouched where a measured cuDNN is right (:mod:`.affected`), else post-pass or not,
+   the guard's verdict, the fallback's recipes, the post-pass kernel's prepared launches. A
+   call returned untouched reads only the facts of that decision;
+3. for a call the wrapper acts on, its inputs' metadata (devices, the offsets' dtypes and
+   lengths) checked once per value, before TE runs;
+4. the guard, where TE's result is wrong beyond any post-pass: the exact fallback
    (:mod:`.fallback`) instead of TE, or an error; never TE's wrong result unless asked;
-4. the post-pass (:mod:`.postpass`) on the gradients: the decision's kernel launch for the
-   gradients' metadata, prepared at its first call (a launch reads the inputs' metadata,
-   the number of sequences included, and the gradients').
+5. the post-pass (:mod:`.postpass`) on the gradients: a kernel launch prepared once per
+   metadata of the inputs and the gradients together, since it reads both (the number of
+   sequences is the offsets' length).
 
 Arguments are read by name through the wrapped function's signature: TE's signature drifted
 between releases and its call sites mix positional and keyword arguments. No host sync.
@@ -140,6 +141,11 @@ class _Signature:
         return dict(bound.arguments)
 
 
+#: The gradients' metadata (:func:`_out_key`) -> the post-pass for it: a prepared kernel
+#: launch, or None for the PyTorch post-pass.
+Launches = Dict[tuple, Optional[postpass.launch.KernelLaunch]]
+
+
 class Decision:
     """Everything one call shape needs, decided from its metadata at its first call.
 
@@ -148,13 +154,14 @@ class Decision:
         dq_too: dQ is THD, so its dead rows are zeroed as well.
         span: the mask's attended-key rule (:func:`te_gqa_fix.masks.key_span`).
         unrepairable: why TE's result is wrong beyond any post-pass here, or None.
-        launches: the gradients' metadata (:func:`_out_key`) -> the post-pass for them: a
-            prepared kernel launch, or None for the PyTorch post-pass.
+        inputs: the inputs' metadata checked so far (:func:`_inputs_key`) -> the post-pass
+            launches prepared for those inputs, by the gradients' metadata (:func:`_out_key`):
+            a prepared kernel launch, or None for the PyTorch post-pass.
         fallback_recipes: :func:`te_gqa_fix.fallback.call_facts` -> the fallback's recipe, or
             why it declines.
     """
 
-    __slots__ = ("dq_too", "fallback_recipes", "launches", "postpass", "span", "unrepairable")
+    __slots__ = ("dq_too", "fallback_recipes", "inputs", "postpass", "span", "unrepairable")
 
     def __init__(
         self,
@@ -167,7 +174,7 @@ class Decision:
         self.dq_too = dq_too
         self.span = span
         self.unrepairable = unrepairable
-        self.launches: Dict[tuple, Optional[postpass.launch.KernelLaunch]] = {}
+        self.inputs: Dict[tuple, Launches] = {}
         self.fallback_recipes: Dict[fallback.CallFacts, Union[fallback.Recipe, str]] = {}
 
 
@@ -196,26 +203,34 @@ def _head_dims(q: object, v: object) -> Tuple[int, int]:
     return (int(sq[-1]) if sq else 0), (int(sv[-1]) if sv else 0)
 
 
-def _call_key(policy: str, picked: tuple) -> Optional[tuple]:
-    """Every fact of a call that deciding it reads (:func:`_decide`, the inputs' check, a
-    post-pass launch): the arguments read by name, the devices, and the offsets' dtypes,
-    lengths (the number of sequences) and which are None. None when q, k or v is not a plain
-    tensor, or an offsets argument neither a plain tensor nor None: the call is then decided
-    anew."""
+def _call_key(policy: str, dev: Optional[int], picked: tuple) -> Optional[tuple]:
+    """Every fact :func:`_decide` reads from a call, or None when q, k or v is not a plain
+    tensor (the call is then decided anew). What only the inputs' check reads is keyed
+    apart (:func:`_inputs_key`), so a call returned untouched reads nothing more."""
     q, k, v, cu_q, cu_kv, pad_q, pad_kv, mask, window, brd, lay, dlay = picked
     T = _Tensor
+    if type(q) is not T or type(k) is not T or type(v) is not T:
+        return None
+    return (
+        policy, dev, q.dtype, q.shape, k.shape, v.shape, cu_q is cu_kv, pad_q is pad_kv,
+        mask, tuple(window) if type(window) is list else window, brd, lay, dlay,
+    )  # fmt: skip
+
+
+def _inputs_key(picked: tuple) -> Optional[tuple]:
+    """What the inputs' check (:func:`_checked_inputs`) reads beyond the call key, and what a
+    post-pass launch reads of the offsets (their length, dtype, device, which are None); None
+    when a value cannot be keyed (the check then runs on every call)."""
+    q, k, v, cu_q, cu_kv, pad_q, pad_kv = picked[:7]
+    T = _Tensor
     if not (
-        type(q) is T and type(k) is T and type(v) is T
-        and (cu_q is None or type(cu_q) is T) and (cu_kv is None or type(cu_kv) is T)
+        type(q) is T and type(k) is T and type(v) is T and type(cu_q) is T and type(cu_kv) is T
         and (pad_q is None or type(pad_q) is T) and (pad_kv is None or type(pad_kv) is T)
     ):  # fmt: skip
         return None
     return (
-        policy, q.device, k.device, v.device, q.dtype, q.shape, k.shape, v.shape,
-        mask, tuple(window) if type(window) is list else window, brd, lay, dlay,
-        cu_q is cu_kv, pad_q is pad_kv,
-        None if cu_q is None else (cu_q.dtype, cu_q.shape, cu_q.device),
-        None if cu_kv is None else (cu_kv.dtype, cu_kv.shape, cu_kv.device),
+        q.device, k.device, v.device,
+        cu_q.dtype, cu_q.shape, cu_q.device, cu_kv.dtype, cu_kv.shape, cu_kv.device,
         None if pad_q is None else (pad_q.dtype, pad_q.shape, pad_q.device),
         None if pad_kv is None else (pad_kv.dtype, pad_kv.shape, pad_kv.device),
     )  # fmt: skip
@@ -236,16 +251,15 @@ def _self_attention(picked: tuple) -> bool:
     return cu_q is cu_kv and pad_q is pad_kv and type(q) is _Tensor and q.dtype in _FILLED_BY_TE
 
 
-def _decide(policy: str, picked: tuple) -> Optional[Decision]:
+def _decide(policy: str, dev: Optional[int], picked: tuple) -> Optional[Decision]:
     """What to do for one call shape, from the facts of its :func:`_call_key` alone; None:
-    not understood (logged).
+    not understood (logged). A decision that acts on the call has its inputs checked by
+    :func:`_checked_inputs` before TE runs.
 
-    Raises ``ValueError`` naming the argument, before TE runs and never cached, for mask
-    arguments :func:`~.masks.key_span` cannot read and, where the decision acts on the
-    call, inputs :func:`~.validation.check_metadata` refuses.
+    Raises ``ValueError`` naming the argument for mask arguments :func:`~.masks.key_span`
+    cannot read (never cached).
     """
     q, k, v = picked[:3]
-    dev = _device_index(q)
     mask, window, brd, lay, dlay = picked[7:]
     d_qk, d_v = _head_dims(q, v)
     if policy == "auto" and dev is not None and affected.passes_through(dev, d_qk, d_v):
@@ -266,11 +280,7 @@ def _decide(policy: str, picked: tuple) -> Optional[Decision]:
     postpass = policy == "always" or h_q is None or (h_q != h_kv and not _self_attention(picked))
     if not postpass and unrepairable is None:
         return _NOTHING_TO_DO
-    decision = Decision(postpass, dq_too, key_span(mask, window, brd), unrepairable)
-    cu_q, cu_kv, pad_q, pad_kv = picked[3:7]
-    names = ("q", "k", "v")
-    check_metadata(q if dq_too else None, k, v, cu_q, cu_kv, pad_q, pad_kv, h_q, h_kv, names)
-    return decision
+    return Decision(postpass, dq_too, key_span(mask, window, brd), unrepairable)
 
 
 def _thd_heads(q: object, k: object) -> Tuple[Optional[int], Optional[int]]:
@@ -280,6 +290,30 @@ def _thd_heads(q: object, k: object) -> Tuple[Optional[int], Optional[int]]:
     h_q = int(sq[1]) if sq and len(sq) == 3 else None
     h_kv = int(sk[1]) if sk and len(sk) == 3 else None
     return h_q, h_kv
+
+
+def _checked_inputs(decision: Decision, picked: tuple) -> Launches:
+    """Check TE's q, k, v and offsets for a call the wrapper acts on, once per metadata
+    (:func:`_inputs_key`); ``ValueError`` naming the argument, before TE runs.
+
+    Returns:
+        The post-pass launches prepared for inputs of this metadata: a launch reads the
+        offsets' length, so launches are never shared between inputs of other metadata.
+    """
+    key = _inputs_key(picked)
+    launches = None if key is None else decision.inputs.get(key)
+    if launches is not None:
+        return launches
+    q, k, v, cu_q, cu_kv, pad_q, pad_kv = picked[:7]
+    h_q, h_kv = _thd_heads(q, k)
+    names = ("q", "k", "v")
+    check_metadata(
+        q if decision.dq_too else None, k, v, cu_q, cu_kv, pad_q, pad_kv, h_q, h_kv, names
+    )
+    launches = {}
+    if key is not None:
+        _remember(decision.inputs, key, launches)
+    return launches
 
 
 def _remember(cache: Dict[Any, Any], key: object, value: object) -> None:
@@ -341,10 +375,12 @@ def _out_key(dq: object, dk: object, dv: object) -> Optional[tuple]:
     return key if dq is None else (*key, dq.shape, dq.stride(), dq.dtype, dq.device)
 
 
-def _zero_dead_rows(decision: Decision, offsets: tuple, out: Any, validate: str) -> bool:
+def _zero_dead_rows(
+    decision: Decision, launches: Launches, offsets: tuple, out: Any, validate: str
+) -> bool:
     """The post-pass on ``out`` (TE's or the fallback's); False when ``out`` is not
-    gradients it can read (passed through untouched, logged once). ``validate``:
-    ``TE_GQA_FIX_VALIDATE``."""
+    gradients it can read (passed through untouched, logged once). ``launches``: those of
+    this call's inputs (:func:`_checked_inputs`); ``validate``: ``TE_GQA_FIX_VALIDATE``."""
     if type(out) not in (list, tuple) or len(out) < 3:
         kind = type(out).__name__
         _passthrough(("output", kind), "fused_attn_bwd returned %s, not (dq, dk, dv, ...)", kind)
@@ -352,10 +388,9 @@ def _zero_dead_rows(decision: Decision, offsets: tuple, out: Any, validate: str)
     dq = out[0] if decision.dq_too else None
     dk, dv = out[1], out[2]
     key = _out_key(dq, dk, dv)
-    launches = decision.launches
     kernel_launch = _UNSET if key is None else launches.get(key, _UNSET)
     if kernel_launch is _UNSET:
-        try:  # once per metadata of the inputs (the decision's) and the gradients
+        try:  # once per metadata of the inputs and the gradients
             check_metadata(dq, dk, dv, *offsets)
         except ValueError as exc:
             _passthrough(("output", str(exc)), "fused_attn_bwd returned gradients it cannot read (%s)", exc)  # fmt: skip
@@ -388,13 +423,14 @@ def _new_wrapper(original: Callable) -> Callable:
             _passthrough(("signature", id(original)), msg, original, reason)
             return original(*args, **kwargs)
         picked = sig.pick(args, kwargs)
-        key = _call_key(policy, picked)
+        dev = _device_index(picked[0])
+        key = _call_key(policy, dev, picked)
         try:
             decision = None if key is None else decisions.get(key)
         except TypeError:  # an unhashable argument: decide without the cache
             key, decision = None, None
         if decision is None:
-            decision = _decide(policy, picked)
+            decision = _decide(policy, dev, picked)
             if decision is None:
                 return original(*args, **kwargs)
             if key is not None:
@@ -402,16 +438,17 @@ def _new_wrapper(original: Callable) -> Callable:
         if decision is _NOTHING_TO_DO:
             _counts[_SKIPPED] += 1
             return original(*args, **kwargs)
+        launches = _checked_inputs(decision, picked)
         if decision.unrepairable is not None:
             out = _guarded(decision, guard, sig, args, kwargs)
             if out is not None:
-                if _zero_dead_rows(decision, picked[3:7], out, validate):
+                if _zero_dead_rows(decision, launches, picked[3:7], out, validate):
                     _counts[_FALLBACK] += 1
                 return out
         out = original(*args, **kwargs)
         if not decision.postpass:
             _counts[_SKIPPED] += 1
-        elif _zero_dead_rows(decision, picked[3:7], out, validate):
+        elif _zero_dead_rows(decision, launches, picked[3:7], out, validate):
             _counts[_FIXED] += 1
         return out
 
