@@ -16,6 +16,7 @@ import logging
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
+from packaging.version import InvalidVersion, Version
 
 from .._logging import log_once
 from ..masks import KeySpan
@@ -183,8 +184,8 @@ C_ENTRY_RELEASES = ((3, 5), (3, 6))
 def _release(version: str) -> Tuple[int, ...]:
     """``"3.6.0"`` -> ``(3, 6)``; ``()`` for anything unreadable."""
     try:
-        return tuple(int(part) for part in version.split(".")[:2])
-    except ValueError:
+        return Version(version).release[:2]
+    except InvalidVersion:
         return ()
 
 
