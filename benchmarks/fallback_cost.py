@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 from common import event_ms, median, metadata, write
@@ -40,22 +40,53 @@ HEADS, D, NSEQ = (16, 4), 256, 8
 BLOCK = 10
 
 
-def timed(fns: Dict[str, Callable[[], Any]], reps: int) -> Dict[str, Dict[str, float]]:
+def timed(
+    fns: Dict[str, Callable[[], Any]], reps: int
+) -> Tuple[Dict[str, Dict[str, float]], Dict[str, str]]:
     """Median ms per call of each function, synced and back to back; the functions take
-    turns within every round, so each ratio compares calls made under one GPU state."""
-    for fn in fns.values():
+    turns within every round, so each ratio compares calls made under one GPU state.
+
+    Returns:
+        The medians by function, and the error of each function that ran out of memory
+        while timed: it leaves the rounds and the others go on (the blocks of the others
+        keep memory cached that a large workspace, such as TE's deterministic backward
+        at 32K on an 80 GB GPU, may then not find).
+    """
+    errors: Dict[str, str] = {}
+
+    def each_round(measure: Callable[[Callable[[], Any]], float]) -> Dict[str, float]:
+        times = {}
+        for name, fn in fns.items():
+            if name in errors:
+                continue
+            try:
+                times[name] = measure(fn)
+            except torch.OutOfMemoryError as exc:
+                errors[name] = f"out of memory while timed: {str(exc)[:80]}"
+                torch.cuda.empty_cache()
+        return times
+
+    def warm(fn: Callable[[], Any]) -> float:
         for _ in range(3):
             fn()
+        return 0.0
+
+    each_round(warm)
     torch.cuda.synchronize()
-    synced: Dict[str, List[float]] = {name: [] for name in fns}
-    b2b: Dict[str, List[float]] = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            synced[name].append(event_ms(fn))
-    for _ in range(max(3, reps // 2)):
-        for name, fn in fns.items():
-            b2b[name].append(event_ms(lambda fn=fn: [fn() for _ in range(BLOCK)]) / BLOCK)
-    return {n: {"synced": median(synced[n]), "back-to-back": median(b2b[n])} for n in fns}
+    rounds = [each_round(event_ms) for _ in range(reps)]
+    block = [
+        each_round(lambda fn: event_ms(lambda: [fn() for _ in range(BLOCK)]) / BLOCK)
+        for _ in range(max(3, reps // 2))
+    ]
+    ms = {
+        n: {
+            "synced": median([r[n] for r in rounds if n in r]),
+            "back-to-back": median([r[n] for r in block if n in r]),
+        }
+        for n in fns
+        if n not in errors
+    }
+    return ms, errors
 
 
 def _force_fallback() -> None:
@@ -123,10 +154,15 @@ def main() -> None:
                 row["error"] = f"out of memory: {str(exc)[:80]}"
                 torch.cuda.empty_cache()
             rows.append(row)
-        ms = timed(fns, opts.reps)
+        ms, errors = timed(fns, opts.reps)
         for row in rows:
-            if row["workload"] == name and "error" not in row:
-                row["ms"] = ms[row["variant"]]
+            if row["workload"] != name or "error" in row:
+                continue
+            if row["variant"] in errors:
+                row["error"] = errors[row["variant"]]
+                continue
+            row["ms"] = ms[row["variant"]]
+            if "te" in ms:  # the base of every ratio
                 row["x_te"] = {k: v / ms["te"][k] for k, v in row["ms"].items()}
         del batch, one, two, det, recompute, variants
         torch.cuda.empty_cache()
@@ -138,7 +174,11 @@ def main() -> None:
         if "error" in r:
             print(f"{r['workload']:8} {r['variant']:30} {r['error']}")
             continue
-        cells = [f"{r['ms'][m]:7.3f} {r['x_te'][m]:5.2f}x" for m in ("synced", "back-to-back")]
+        x_te = r.get("x_te", {})
+        cells = [
+            f"{r['ms'][m]:7.3f} " + (f"{x_te[m]:5.2f}x" if m in x_te else "    -")
+            for m in ("synced", "back-to-back")
+        ]
         print(f"{r['workload']:8} {r['variant']:30} {cells[0]:>16} {cells[1]:>16}")
 
 

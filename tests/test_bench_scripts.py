@@ -1,12 +1,14 @@
 """The benchmarks' CPU parts: the performance page is what its data file renders to, the
 post-pass benchmark counts the post-pass's own rows, its host timing measures the modes it
-names (on a fake TE with TE 2.20's signature), and start-up rows name their module."""
+names (on a fake TE with TE 2.20's signature), the fallback's timing goes on past a call out
+of memory, and start-up rows name their module."""
 
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ if str(BENCH) not in sys.path:
 
 import bench_postpass  # noqa: E402
 import bench_report  # noqa: E402
+import fallback_cost  # noqa: E402
 from common import packed  # noqa: E402
 
 
@@ -82,6 +85,34 @@ def test_host_timing_measures_the_modes_it_names(monkeypatch: pytest.MonkeyPatch
     assert (
         int((out[1] == 0).all(dim=(1, 2)).sum()) == bench_postpass.dead_rows(packed(512), 512)["kv"]
     )
+
+
+def test_a_call_out_of_memory_while_timed_leaves_the_rounds_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A function of fallback_cost's rounds that runs out of memory mid-run is returned
+    with its error and no time; every other function is still timed in every round."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(fallback_cost, "event_ms", lambda fn: (fn(), 1.0)[1])
+    calls = {"te": 0, "big": 0}
+
+    def call(name: str, fails_at: int = 0) -> Any:
+        def fn() -> None:
+            calls[name] += 1
+            if calls[name] == fails_at:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.25 GiB")
+
+        return fn
+
+    reps = 4
+    ms, errors = fallback_cost.timed({"te": call("te"), "big": call("big", fails_at=9)}, reps)
+    assert set(ms) == {"te"}
+    assert ms["te"] == {"synced": 1.0, "back-to-back": 1.0 / fallback_cost.BLOCK}
+    assert list(errors) == ["big"] and errors["big"].startswith("out of memory while timed")
+    blocks = max(3, reps // 2)
+    assert calls["te"] == 3 + reps + blocks * fallback_cost.BLOCK  # warm-up, synced, blocks
+    assert calls["big"] == 9  # 3 warm-up, 4 synced, then 2 calls into its first block
 
 
 def test_startup_rows_name_the_module_they_import(
