@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from ._logging import log_once
 from .masks import window_pair
 from .row_moves import move_rows
+from .stack.versions import release
 from .te_names import MASKS, OFFSET_NAMES, PACKED, THD_LAYOUTS, THD_MASKS
 
 __all__ = [
@@ -446,8 +447,7 @@ def _deterministic(on: bool) -> Iterator[None]:
 
 
 def _deterministic_available() -> bool:
-    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-    return version >= _DETERMINISTIC_TORCH
+    return release(torch.__version__) >= _DETERMINISTIC_TORCH
 
 
 class _Args(NamedTuple):

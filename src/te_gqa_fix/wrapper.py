@@ -155,8 +155,7 @@ class Decision:
         span: the mask's attended-key rule (:func:`te_gqa_fix.masks.key_span`).
         unrepairable: why TE's result is wrong beyond any post-pass here, or None.
         inputs: the inputs' metadata checked so far (:func:`_inputs_key`) -> the post-pass
-            launches prepared for those inputs, by the gradients' metadata (:func:`_out_key`):
-            a prepared kernel launch, or None for the PyTorch post-pass.
+            :data:`Launches` prepared for those inputs.
         fallback_recipes: :func:`te_gqa_fix.fallback.call_facts` -> the fallback's recipe, or
             why it declines.
     """

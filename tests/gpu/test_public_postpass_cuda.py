@@ -27,6 +27,7 @@ from te_gqa_fix import postpass, zero_dead_rows
 from te_gqa_fix.masks import key_span
 from te_gqa_fix.postpass import launch, offset_errors
 from te_gqa_fix.postpass.offset_errors import OffsetsError
+from te_gqa_fix.stack.versions import release
 
 pytestmark = pytest.mark.gpu
 
@@ -226,5 +227,5 @@ def test_the_launch_entry_gets_what_tritons_launcher_passes() -> None:
     finally:
         run.launch = real_launch
     assert len(seen) == 2 and seen[0] == seen[1], seen
-    c_entry = launch._release(triton.__version__) in launch.C_ENTRY_RELEASES
+    c_entry = release(triton.__version__) in launch.C_ENTRY_RELEASES
     assert (entry is not run) == c_entry, (triton.__version__, entry)

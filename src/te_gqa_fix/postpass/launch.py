@@ -16,10 +16,10 @@ import logging
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
-from packaging.version import InvalidVersion, Version
 
 from .._logging import log_once
 from ..masks import KeySpan
+from ..stack.versions import release
 from . import kernel, offset_errors
 
 __all__ = ["KernelLaunch", "available", "prepare", "run_kernel", "unsupported"]
@@ -181,14 +181,6 @@ def prepare(
 C_ENTRY_RELEASES = ((3, 5), (3, 6))
 
 
-def _release(version: str) -> Tuple[int, ...]:
-    """``"3.6.0"`` -> ``(3, 6)``; ``()`` for anything unreadable."""
-    try:
-        return Version(version).release[:2]
-    except InvalidVersion:
-        return ()
-
-
 def launch_entry(compiled: Any, triton_version: str) -> Tuple[Callable[..., None], tuple]:
     """The function a launch of ``compiled`` calls, and its arguments between the stream and
     the kernel's own: both are called as ``entry(x, y, z, stream, *between, *arguments)``.
@@ -204,7 +196,7 @@ def launch_entry(compiled: Any, triton_version: str) -> Tuple[Callable[..., None
     """
     run = compiled.run
     if (
-        _release(triton_version) in C_ENTRY_RELEASES
+        release(triton_version) in C_ENTRY_RELEASES
         and getattr(run, "global_scratch_size", None) == 0
         and getattr(run, "profile_scratch_size", None) == 0
     ):

@@ -14,7 +14,7 @@ import subprocess
 from importlib import metadata
 from typing import Any, Dict, NamedTuple, Optional, Tuple
 
-from packaging.version import Version
+from packaging.version import InvalidVersion, Version
 
 from .cudnn import decode_cudnn_version, mapped_cudnn_libraries, te_cudnn_version, version_str
 
@@ -22,10 +22,20 @@ __all__ = [
     "RuntimeFacts",
     "get_te_version",
     "gpu_info",
+    "release",
     "runtime_facts",
     "stack_summary",
     "te_info",
 ]
+
+
+def release(version: str) -> Tuple[int, ...]:
+    """The major and minor release of a version string: ``"2.6.0a0+git"`` -> ``(2, 6)``;
+    ``()`` for anything unreadable (which compares below every release)."""
+    try:
+        return Version(version).release[:2]
+    except InvalidVersion:
+        return ()
 
 
 def torch_info() -> Dict[str, Any]:
