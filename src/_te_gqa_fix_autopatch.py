@@ -1,9 +1,19 @@
-"""Start-up hook: load a fixed cuDNN before torch, and patch TE as soon as it is imported.
+"""te-gqa-fix's start-up hook: load a cuDNN measured right before torch, and patch
+Transformer Engine as soon as it is imported, in every process (torchrun and each worker).
 
-Runs from ``te_gqa_fix_autopatch.pth`` in every process where a setting is on, so it uses
-the standard library and te-gqa-fix's stdlib-only modules (its logger, settings, cudnn):
-torch and the fix proper come only once ``transformer_engine.pytorch`` is imported.
-Public face: :mod:`te_gqa_fix.autopatch`.
+Python runs :func:`activate` at start-up from ``te_gqa_fix_autopatch.pth`` (an ``import``
+line, for Pythons before 3.18) or from ``te_gqa_fix_autopatch.start`` (a PEP 829 entry
+point, Python 3.15 and later; where both exist Python runs only the entry point). Either
+way it runs once per process, and does nothing unless ``TE_GQA_FIX_AUTOPATCH`` or
+``TE_GQA_FIX_CUDNN`` is on.
+
+At import it uses the standard library alone, and lives outside the package: should
+te-gqa-fix itself fail to import (a shadowing ``te_gqa_fix`` folder, a broken install), a
+``strict`` setting still stops Transformer Engine's import with the reason (the ``.pth``
+line does the same should this module itself be missing). te-gqa-fix's standard-library
+modules (settings, the cuDNN route) come in :func:`activate`; torch and the fix proper only
+once ``transformer_engine.pytorch`` is imported. Where neither file is processed
+(``python -S``), call :func:`te_gqa_fix.install` or :func:`enable`.
 """
 
 from __future__ import annotations
@@ -11,18 +21,33 @@ from __future__ import annotations
 import os
 import sys
 
-from te_gqa_fix._logging import logger as _log
-
 ENV_AUTOPATCH = "TE_GQA_FIX_AUTOPATCH"
 ENV_CUDNN = "TE_GQA_FIX_CUDNN"
 TARGET = "transformer_engine.pytorch"
 PTH_NAME = "te_gqa_fix_autopatch.pth"
+START_NAME = "te_gqa_fix_autopatch.start"
+#: The off spellings of every setting (``te_gqa_fix.settings``; the ``.pth`` line repeats
+#: them to decide without importing anything, and a test holds the three together).
+OFF = ("", "0", "off", "false", "no", "disable", "disabled")
 
 _MARKER = "__te_gqa_fix_import_hook__"
 _CUDNN_MARKER = _MARKER + "cudnn"
+_REFUSE_MARKER = _MARKER + "refuse"
 
-#: What the hook did, for ``doctor`` and tests (plain values, no objects kept alive).
-_state: dict = dict(fired=False, sites=None, error=None, activated_by=None, cudnn_route=False)
+#: What the hook did, for ``doctor``, ``te_gqa_fix.status()`` and tests (plain values).
+_state: dict = dict(
+    activated=False, fired=False, sites=None, error=None, activated_by=None, cudnn_route=False
+)
+
+
+def _log():
+    import logging
+
+    return logging.getLogger("te_gqa_fix")
+
+
+def _raw(name: str) -> str:
+    return os.environ.get(name, "").strip()
 
 
 def _setting(name: str) -> str:
@@ -33,8 +58,28 @@ def _setting(name: str) -> str:
     try:
         return get(name)
     except SettingError as exc:
-        _log.error("te_gqa_fix: %s; the start-up hook ignores it (off)", exc)
+        _log().error("%s; the start-up hook ignores it (off)", exc)
         return "off"
+
+
+class RefuseImport:
+    """``sys.meta_path`` finder that makes the import of ``names`` fail with ``reason``:
+    what a ``strict`` setting does when the hook cannot do its work."""
+
+    def __init__(self, names: tuple, reason: str) -> None:
+        self.names = names
+        self.reason = reason
+        setattr(self, _REFUSE_MARKER, True)
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname in self.names:
+            raise ImportError(self.reason)
+        return None
+
+
+def refuse(names: tuple, reason: str) -> None:
+    """Make every later import of ``names`` raise ImportError(``reason``)."""
+    sys.meta_path.insert(0, RefuseImport(names, reason))
 
 
 def _fire(strict: bool) -> None:
@@ -47,18 +92,14 @@ def _fire(strict: bool) -> None:
         _state["error"] = f"{type(exc).__name__}: {exc}"
         failed = f"the fix could not be installed after importing {TARGET} ({_state['error']})"
         if strict:
-            raise ImportError(f"te_gqa_fix: {ENV_AUTOPATCH}=strict and {failed}") from exc
-        _log.warning(
-            f"te_gqa_fix: {ENV_AUTOPATCH} is set but {failed}; the program continues WITHOUT "
-            f"the fix (set {ENV_AUTOPATCH}=strict to make this an error)",
+            raise ImportError(f"{ENV_AUTOPATCH}={_raw(ENV_AUTOPATCH)}: {failed}") from exc
+        _log().warning(
+            f"{ENV_AUTOPATCH}={_raw(ENV_AUTOPATCH)} is set but {failed}; the program continues "
+            f"WITHOUT the fix (set {ENV_AUTOPATCH}=strict to make this an error)",
             exc_info=True,
         )
         return
     _state.update(fired=True, sites=list(sites), error=None)
-    _log.info(
-        f"te_gqa_fix: installed by {ENV_AUTOPATCH} after {TARGET} was imported "
-        f"({len(sites)} sites rebound)"
-    )
 
 
 class TEImportHook:
@@ -90,7 +131,7 @@ class TEImportHook:
                 except AttributeError:
                     pass
             if _state["cudnn_route"]:
-                from te_gqa_fix.stack.cudnn import verify_te_cudnn
+                from te_gqa_fix.cudnn_route import verify_te_cudnn
 
                 verify_te_cudnn()  # logs a mismatch; raises ImportError when strict
             if self.patch:
@@ -100,9 +141,9 @@ class TEImportHook:
             real_exec = loader.exec_module
             loader.exec_module = exec_module
         except (AttributeError, TypeError):  # no exec_module, or no instance attributes
-            _log.warning(
-                f"te_gqa_fix: cannot hook the loader of {TARGET} ({loader!r}); "
-                f"{ENV_AUTOPATCH} cannot patch it, call te_gqa_fix.install() after importing it"
+            _log().warning(
+                f"cannot hook the loader of {TARGET} ({loader!r}); {ENV_AUTOPATCH} cannot "
+                "patch it, call te_gqa_fix.install() after importing it"
             )
         return spec
 
@@ -178,35 +219,65 @@ def preload_cudnn(setting: str) -> None:
     """Load the cuDNN that ``setting`` (TE_GQA_FIX_CUDNN's value) names, now, and remove the
     preload hook. A strict failure raises ImportError and keeps the hook, so that every
     import of torch or TE fails with the reason; otherwise a failure is logged."""
+    from te_gqa_fix.cudnn_route import parse_setting, route
     from te_gqa_fix.settings import shown
-    from te_gqa_fix.stack.cudnn import parse_setting, use_fixed_cudnn
 
+    given = f"{ENV_CUDNN}={shown(_raw(ENV_CUDNN))}"
     target, strict = parse_setting(setting)  # never off: activate installs no hook then
     try:
-        use_fixed_cudnn(target, strict=strict)
+        route(target, strict, None, given)  # type: ignore[arg-type]
     except Exception as exc:
         if strict:
-            raise ImportError(f"te_gqa_fix: {ENV_CUDNN}={shown(setting)}: {exc}") from exc
-        _log.warning(
-            f"te_gqa_fix: {ENV_CUDNN}={shown(setting)} failed ({type(exc).__name__}: {exc}); "
-            "Transformer Engine keeps the cuDNN it finds"
+            raise ImportError(f"{given}: {exc}") from exc
+        _log().warning(
+            f"{given} failed ({type(exc).__name__}: {exc}); Transformer Engine keeps the "
+            "cuDNN it finds"
         )
     _remove(_CUDNN_MARKER)
 
 
+def _strict_given() -> tuple:
+    """The settings whose raw value asks for strict (``strict`` or ``strict:FOLDER``)."""
+    return tuple(n for n in (ENV_AUTOPATCH, ENV_CUDNN) if _raw(n).lower().startswith("strict"))
+
+
 def activate() -> None:
-    """Entry point of the ``.pth`` line: act on ``TE_GQA_FIX_CUDNN`` and
-    ``TE_GQA_FIX_AUTOPATCH``. Raises only when a variable says ``strict`` and torch or TE is
+    """The start-up entry point: act on ``TE_GQA_FIX_CUDNN`` and ``TE_GQA_FIX_AUTOPATCH``,
+    once per process. Raises only when a variable says ``strict`` and torch or TE is
     imported already (a start-up file never sees that)."""
-    cudnn = _setting(ENV_CUDNN)
-    mode = _setting(ENV_AUTOPATCH)
+    if _state["activated"]:
+        return
+    _state["activated"] = True
+    if all(_raw(n).lower() in OFF for n in (ENV_AUTOPATCH, ENV_CUDNN)):
+        return
+    try:
+        cudnn = _setting(ENV_CUDNN)
+        mode = _setting(ENV_AUTOPATCH)
+    except Exception as exc:  # te_gqa_fix shadowed or broken: it cannot do its work
+        strict = _strict_given()
+        what = " and ".join(f"{n}={_raw(n)}" for n in strict) or ENV_AUTOPATCH
+        reason = (
+            f"te-gqa-fix's start-up hook could not import te_gqa_fix ({type(exc).__name__}: {exc})"
+        )
+        _state["error"] = reason
+        if strict:
+            refuse((TARGET,), f"{what}: {reason}; Transformer Engine is not imported without it")
+        sys.stderr.write(
+            f"te_gqa_fix: {reason}; "
+            + (
+                "importing Transformer Engine will fail (strict)\n"
+                if strict
+                else "Transformer Engine runs WITHOUT the fix\n"
+            )
+        )
+        return
     route = cudnn != "off"
     if route:
         _state["cudnn_route"] = True
         if not _hooks(_CUDNN_MARKER):
             sys.meta_path.insert(0, CudnnPreloadHook(cudnn))
     if mode != "off":
-        _state["activated_by"] = f"{ENV_AUTOPATCH}={os.environ.get(ENV_AUTOPATCH, '')}"
+        _state["activated_by"] = f"{ENV_AUTOPATCH}={_raw(ENV_AUTOPATCH)}"
         enable(strict=mode == "strict")
     elif route:
         enable(patch=False)
@@ -217,3 +288,16 @@ def activate() -> None:
 def state() -> dict:
     """A copy of what the hook did (``fired``, ``sites``, ``error``, ``activated_by``...)."""
     return dict(_state)
+
+
+def find_pth() -> str | None:
+    """Path of the installed start-up file; None when no site folder holds it."""
+    import site
+
+    try:
+        dirs = [*site.getsitepackages(), site.getusersitepackages()]
+    except Exception:  # some embedded and virtualenv builds lack these
+        dirs = []
+    dirs += [p for p in sys.path if p.rstrip("/").endswith(("site-packages", "dist-packages"))]
+    paths = (os.path.join(d, PTH_NAME) for d in dirs if isinstance(d, str))
+    return next((p for p in paths if os.path.isfile(p)), None)

@@ -19,9 +19,7 @@ from typing import Callable, Iterator, List, Optional
 import pytest
 
 import te_gqa_fix
-from te_gqa_fix import _logging, patch, wrapper
-from te_gqa_fix.postpass import offset_errors
-from te_gqa_fix.stack import affected
+from te_gqa_fix import _logging, patch, postpass, settings, wrapper
 
 _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:  # ``fakes`` is imported by name (also from the fake TE package)
@@ -36,16 +34,20 @@ def clean_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         if name.startswith("TE_GQA_FIX"):
             monkeypatch.delenv(name)
     monkeypatch.setattr(wrapper, "_wrappers", {})
+    monkeypatch.setattr(wrapper, "_drop_in", None)
+    monkeypatch.setattr(wrapper, "_stack", {})
     monkeypatch.setattr(patch, "_lasting", False)
-    _logging._reset_log_once()
-    te_gqa_fix.reset_call_counts()
-    affected.reset()
-    offset_errors._reset()
+    monkeypatch.setattr(settings, "_per_call", {})
+    _reset()
     yield
+    _reset()
+
+
+def _reset() -> None:
     _logging._reset_log_once()
     te_gqa_fix.reset_call_counts()
-    affected.reset()
-    offset_errors._reset()
+    for rec in postpass._records.values():
+        rec.clear()
 
 
 @pytest.fixture
@@ -67,9 +69,6 @@ def fake_te(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         yield tmp_path
     finally:
         patch.uninstall()
-        patch._sites.clear()
-        patch._original = None
-        patch._wrapper = None
         for name in te_package.loaded_fake_modules():
             del sys.modules[name]
         sys.modules.update(saved)
@@ -84,9 +83,8 @@ def doctor_probes(monkeypatch: pytest.MonkeyPatch) -> Callable[..., List[str]]:
     9.19.0, no cuDNN mapped or on disk, the fix installed or not, and the exact fallback
     declining with ``fallback_declines`` (None: serving); it returns the list its live
     check (returning ``live``, default: bug seen and fixed) appends "live" to."""
-    from te_gqa_fix import fallback
+    from te_gqa_fix import cudnn_route, fallback
     from te_gqa_fix.cli import doctor
-    from te_gqa_fix.stack import cudnn, versions
 
     def probes(
         te_cudnn: str,
@@ -96,13 +94,13 @@ def doctor_probes(monkeypatch: pytest.MonkeyPatch) -> Callable[..., List[str]]:
     ) -> List[str]:
         calls: List[str] = []
         gpu = {"available": True, "count": 1, "name": "Fake H200", "capability": [9, 0]}
-        monkeypatch.setattr(versions, "gpu_info", lambda: dict(gpu))
+        monkeypatch.setattr(doctor, "gpu_info", lambda: dict(gpu))
         te = {"version": "2.20.2", "imported": True, "cudnn": te_cudnn, "error": None}
-        monkeypatch.setattr(versions, "te_info", lambda: dict(te))
+        monkeypatch.setattr(doctor, "te_info", lambda: dict(te))
         torch_info = {"version": "2.11.0", "cuda": "13.0", "cudnn": "9.19.0"}
-        monkeypatch.setattr(versions, "torch_info", lambda: dict(torch_info))
-        monkeypatch.setattr(cudnn, "mapped_cudnn_libraries", lambda: [])
-        monkeypatch.setattr(cudnn, "find_builds", lambda: [])
+        monkeypatch.setattr(doctor, "torch_info", lambda: dict(torch_info))
+        monkeypatch.setattr(cudnn_route, "mapped_cudnn_libraries", lambda: [])
+        monkeypatch.setattr(cudnn_route, "find_builds", lambda: [])
         monkeypatch.setattr(fallback, "head_dim_reason", lambda d, d_v=None: fallback_declines)
         live_result = live or {"ran": True, "bug_observed": True, "fix_ok": True}
         monkeypatch.setattr(
@@ -119,12 +117,15 @@ def hook(monkeypatch: pytest.MonkeyPatch):
     """The start-up hook module with a fresh record and ``sys.meta_path``, both put back
     afterwards."""
     import _te_gqa_fix_autopatch as boot
+    from te_gqa_fix import cudnn_route
 
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
     boot.disable()  # in case this interpreter started with TE_GQA_FIX_AUTOPATCH set,
     boot._remove(boot._CUDNN_MARKER)  # or TE_GQA_FIX_CUDNN
+    boot._remove(boot._REFUSE_MARKER)
     monkeypatch.setattr(boot, "_state", runpy.run_path(boot.__file__)["_state"])
     assert not any(boot.state().values()), boot.state()  # a new process's: nothing done yet
+    cudnn_route._reset_route()
     return boot
 
 

@@ -13,9 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Tuple
 
 from ._logging import log_once
-from .te_names import MASKS as _KNOWN_MASKS
-
-KNOWN_MASK_TYPES: Tuple[str, ...] = tuple(_KNOWN_MASKS)
+from ._te import MASKS
 
 
 @dataclass(frozen=True)
@@ -70,59 +68,31 @@ def window_pair(window_size: Optional[Sequence[int]]) -> Optional[Tuple[int, int
     return (left, right)
 
 
-def check_mask_arguments(
-    attn_mask_type: object, window_size: object, bottom_right_diagonal: object
-) -> None:
-    """Raise ``ValueError`` naming the argument when TE's mask arguments are malformed.
-
-    The public API treats what it does not understand as bad input: a misspelled mask
-    name silently widening the kept set would hide a caller's mistake.
-    """
-    if not isinstance(attn_mask_type, str) or (
-        attn_mask_type not in _KNOWN_MASKS and attn_mask_type not in CONSERVATIVE_MASK_TYPES
-    ):
-        names = ", ".join((*KNOWN_MASK_TYPES, *CONSERVATIVE_MASK_TYPES))
-        raise ValueError(
-            f"attn_mask_type: expected one of {names} (TE's names; 'arbitrary' keeps every "
-            f"valid key of a sequence with queries), got {attn_mask_type!r}"
-        )
-    if window_pair(window_size) is None:  # type: ignore[arg-type]
-        raise ValueError(
-            "window_size: expected None or (left, right), two integers from -1 to "
-            f"2**31 - 1 (-1 = unbounded), got {window_size!r}"
-        )
-    if bottom_right_diagonal is not None and not isinstance(bottom_right_diagonal, bool):
-        raise ValueError(
-            "bottom_right_diagonal: expected True, False or None (by mask name), got "
-            f"{bottom_right_diagonal!r}"
-        )
-
-
 def key_span(
     attn_mask_type: Optional[str],
     window_size: Optional[Sequence[int]] = (-1, -1),
     bottom_right_diagonal: Optional[bool] = None,
-    *,
-    strict: bool = False,
 ) -> KeySpan:
     """Reduce TE's mask arguments to a :class:`KeySpan`.
 
-    ``bottom_right_diagonal`` None means "by mask name" (every TE before 2.10). ``strict``
-    (the public post-pass): malformed arguments raise ``ValueError`` naming the argument;
-    otherwise (the wrapper: TE validated them) they give :data:`CONSERVATIVE`, logged once.
+    Args:
+        attn_mask_type, window_size, bottom_right_diagonal: TE's mask arguments;
+            ``bottom_right_diagonal`` None means "by mask name" (every TE before 2.10).
+
+    Returns:
+        The span. Arguments it does not understand give :data:`CONSERVATIVE`, logged once
+        at WARNING (the public functions refuse them first: ``checks.mask_arguments``).
     """
-    if strict:
-        check_mask_arguments(attn_mask_type, window_size, bottom_right_diagonal)
     if attn_mask_type in CONSERVATIVE_MASK_TYPES:
         return CONSERVATIVE
-    known = _KNOWN_MASKS.get(attn_mask_type) if isinstance(attn_mask_type, str) else None
+    known = MASKS.get(attn_mask_type) if isinstance(attn_mask_type, str) else None
     window = window_pair(window_size)
     brd_ok = bottom_right_diagonal is None or isinstance(bottom_right_diagonal, bool)
     if known is None or window is None or not brd_ok:
         log_once(
             ("mask", repr(attn_mask_type), repr(window_size), repr(bottom_right_diagonal)),
             logging.WARNING,
-            "te_gqa_fix: attn_mask_type=%r window_size=%r bottom_right_diagonal=%r not "
+            "attn_mask_type=%r window_size=%r bottom_right_diagonal=%r not "
             "understood; zeroing only rows outside sequences and rows of sequences without "
             "queries (exact for every mask)",
             attn_mask_type,
@@ -170,12 +140,3 @@ def key_bounds(lq: Any, lk: Any, span: KeySpan) -> Tuple[Any, Any]:
     for extra_lo, extra_hi in zip(los[1:], his[1:]):
         lo, hi = lo.minimum(extra_lo), hi.maximum(extra_hi)
     return lo, hi.where(lq > 0, zero)
-
-
-def key_interval(lq: int, lk: int, span: KeySpan) -> Tuple[int, int]:
-    """:func:`key_bounds` for one sequence of ``lq`` queries and ``lk`` keys, as ints;
-    ``(0, 0)`` where no key is attended (the CLI's form)."""
-    import torch
-
-    lo, hi = (int(x) for x in key_bounds(torch.tensor([lq]), torch.tensor([lk]), span))
-    return (lo, hi) if hi > lo else (0, 0)

@@ -1,90 +1,73 @@
-"""Find Transformer Engine's ``fused_attn_bwd`` and reroute every call site to the wrapper.
+"""Reroute every call site of Transformer Engine's ``fused_attn_bwd`` to the wrapper.
 
-TE's consumers import the function by name, so :func:`install` rebinds every loaded module
-attribute that *is* the original (found by identity in ``sys.modules``); modules imported
-later get the wrapper from the rebound defining module. TE is imported only when needed.
+TE's callers import the function by name, so :func:`install` rebinds every loaded module
+attribute that holds it, found by identity in ``sys.modules``; modules imported later get
+the wrapper from the rebound defining module. Another library may have wrapped TE's
+function with ``functools.wraps`` (a profiler, an NVTX shim) after TE's callers imported
+it: :func:`install` follows ``__wrapped__`` from the defining module's attribute down to
+TE's own function, and rebinds every site holding any link of that chain that does not
+already reach the wrapper. It then checks that DotProductAttention's and the
+context-parallel call sites reach it; where it cannot be sure, it says so
+(:func:`is_installed` is False, and a WARNING).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
+import logging
 import sys
 import threading
 from types import FunctionType, ModuleType
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
+from . import _te
 from ._logging import log_once, logger
-from .stack.versions import get_te_version
-from .wrapper import is_wrapper, unwrap, wrapper_for
+from ._te import CALL_SITES, FUSED_ATTN_MODULE, SYMBOL
+from .errors import SetupError
+from .wrapper import chain, is_wrapper, wrapper_for
 
 __all__ = [
-    "find_original",
-    "fused_attn_bwd",
-    "get_te_version",
     "install",
+    "installed_sites",
     "is_installed",
     "patched",
     "uninstall",
+    "unreached_call_sites",
 ]
 
-FUSED_ATTN_MODULE = "transformer_engine.pytorch.cpp_extensions.fused_attn"
-SYMBOL = "fused_attn_bwd"
-
-INSTALL_HINT = (
-    "te-gqa-fix needs NVIDIA Transformer Engine with its PyTorch extension for this: "
-    "pip install 'transformer-engine[pytorch]>=2.8' (or use an NGC PyTorch container, which "
-    "ships it); `import te_gqa_fix` itself works without it"
-)
-
-
-def import_fused_attn_module() -> ModuleType:
-    """Import ``transformer_engine.pytorch`` and return the module defining fused_attn_bwd."""
-    try:
-        importlib.import_module("transformer_engine.pytorch")
-        return importlib.import_module(FUSED_ATTN_MODULE)
-    except ImportError as exc:
-        raise ImportError(f"{INSTALL_HINT} (import failed: {exc})") from exc
-
-
-def find_original(module: Optional[ModuleType] = None) -> Callable:
-    """TE's own ``fused_attn_bwd`` (unwrapped if our wrapper is installed there)."""
-    module = import_fused_attn_module() if module is None else module
-    fn = getattr(module, SYMBOL, None)
-    if fn is None:
-        raise ImportError(
-            f"{module.__name__} has no attribute {SYMBOL!r}: this Transformer Engine "
-            f"({get_te_version()}) is not one te-gqa-fix supports (2.8 to 2.20)"
-        )
-    return unwrap(fn)
-
-
 _lock = threading.RLock()
-# (module, attribute) sites we rebound, each holding _wrapper; uninstall gives them _original
-_sites: List[Tuple[ModuleType, str]] = []
-_original: Optional[Callable] = None
-_wrapper: Optional[Callable] = None
-# True once install() was called explicitly: a patched() block then leaves the patch on.
+#: (module, attribute) -> what it held before install() rebound it to a wrapper.
+_sites: Dict[Tuple[int, str], Tuple[ModuleType, str, Any, Callable]] = {}
+#: TE's own function (the end of the chain) at the last install.
+_te_function: Optional[Callable] = None
+#: True once install() was called explicitly: a patched() block then leaves the patch on.
 _lasting = False
 
+_OWN_PACKAGE = __name__.rpartition(".")[0]
 
-def _module_items(mod: ModuleType):
+
+def missing_symbol(module: ModuleType) -> SetupError:
+    """The error for a TE module without ``fused_attn_bwd``."""
+    return SetupError(
+        f"{module.__name__} has no attribute {SYMBOL!r}: this Transformer Engine "
+        f"({_te.te_version()}) is not one te-gqa-fix supports (2.8 to 2.20)"
+    )
+
+
+def _reaches_wrapper(fn: object) -> bool:
+    """Whether calling ``fn`` runs a te-gqa-fix wrapper (ours is in its chain)."""
+    return any(is_wrapper(x) for x in chain(fn))
+
+
+def _module_items(mod: ModuleType) -> List[Tuple[str, Any]]:
     try:
         return list(vars(mod).items())
     except TypeError:  # modules without a __dict__ (rare C shims)
         return []
 
 
-_OWN_PACKAGE = __name__.rpartition(".")[0]
-
-
-def _holders(target: Callable) -> Iterator[Tuple[ModuleType, str]]:
-    """Every (module, attribute) that holds ``target``, except our own bookkeeping
-    (``_original``/``_wrapper`` here are references, not call sites)."""
-    return _holders_of(lambda value: value is target)
-
-
-def _holders_of(match: Callable[[Any], bool]) -> Iterator[Tuple[ModuleType, str]]:
+def _holders(match: Callable[[Any], bool]) -> Iterator[Tuple[ModuleType, str, Any]]:
+    """Every (module, attribute, value) whose value matches, outside this package."""
     for name, mod in list(sys.modules.items()):
         if not isinstance(mod, ModuleType):
             continue
@@ -92,73 +75,102 @@ def _holders_of(match: Callable[[Any], bool]) -> Iterator[Tuple[ModuleType, str]
             continue
         for attr, value in _module_items(mod):
             if match(value):
-                yield mod, attr
+                yield mod, attr, value
 
 
-def _earlier_definition(value: Any, original: Callable) -> bool:
-    """Whether ``value`` is, or is our wrapper of, a function an earlier run of the defining
-    module's code made (``importlib.reload`` makes a new one; importers keep the old)."""
+def _earlier_definition(value: Any, te_function: Callable) -> bool:
+    """Whether ``value`` is a function an earlier run of the defining module's code made
+    (``importlib.reload`` makes a new one; importers keep the old), or a wrapper of one."""
     if type(value) is not FunctionType:  # never run an arbitrary object's __getattr__
         return False
-    fn = unwrap(value) if is_wrapper(value) else value
-    if fn is original or type(fn) is not FunctionType:
+    fn = chain(value)[-1]
+    if type(fn) is not FunctionType or fn is te_function:
         return False
-    code, now = getattr(fn, "__code__", None), getattr(original, "__code__", None)
+    code, now = getattr(fn, "__code__", None), getattr(te_function, "__code__", None)
     return (
         code is not None
         and now is not None
-        and getattr(fn, "__module__", None) == getattr(original, "__module__", None)
-        and getattr(fn, "__qualname__", None) == getattr(original, "__qualname__", None)
+        and getattr(fn, "__module__", None) == getattr(te_function, "__module__", None)
+        and getattr(fn, "__qualname__", None) == getattr(te_function, "__qualname__", None)
         and code.co_filename == now.co_filename
     )
 
 
+def unreached_call_sites() -> List[str]:
+    """TE's own call sites (:data:`te_gqa_fix._te.CALL_SITES`) that do not call the wrapper:
+    loaded but holding something whose chain has no te-gqa-fix wrapper, or not loaded at
+    all although TE is (then te-gqa-fix cannot tell what TE calls)."""
+    if _te.TE_PYTORCH not in sys.modules:
+        return []
+    out = []
+    for name in CALL_SITES:
+        mod = sys.modules.get(name)
+        if mod is None or not _reaches_wrapper(getattr(mod, SYMBOL, None)):
+            out.append(f"{name}.{SYMBOL}")
+    return out
+
+
 def _install() -> List[str]:
-    global _original, _wrapper
-    with _lock:
-        module = import_fused_attn_module()
-        original = find_original(module)
-        wrapper = wrapper_for(original)
-        reloaded = _original is not None and original is not _original
-        old = (_original, _wrapper)
+    global _te_function
+    module = _te.fused_attn_module()
+    held = getattr(module, SYMBOL, None)
+    if held is None:
+        raise missing_symbol(module)
+    links = chain(held)
+    te_function = links[-1]
+    if is_wrapper(te_function):  # a wrapper of nothing readable: not ours to follow
+        raise SetupError(f"{FUSED_ATTN_MODULE}.{SYMBOL} wraps nothing te-gqa-fix can read")
+    if _te_function is not None and te_function is not _te_function:
+        _sites.clear()  # TE's module was reloaded: every site is found again below
+    # A link is reached when the wrapper lies at or below it in the chain.
+    unreached = {id(x): x for i, x in enumerate(links) if not any(map(is_wrapper, links[i:]))}
 
-        def stale(value: Any) -> bool:
-            # What a call site holds when the module was reloaded (before or since install).
-            if value is wrapper:
-                return False
-            return (
-                value is original
-                or any(value is x for x in old if x is not None)
-                or _earlier_definition(value, original)
-            )
+    def stale(value: Any) -> bool:
+        return id(value) in unreached or _earlier_definition(value, te_function)
 
-        if reloaded:
-            _sites.clear()  # every site is found again below; uninstall restores `original`
-        rebound: List[str] = []
-        for mod, attr in list(_holders_of(stale)):
-            setattr(mod, attr, wrapper)
-            _sites.append((mod, attr))
-            site = f"{mod.__name__}.{attr}"
-            rebound.append(site)
-            log_once(("site", site, id(original)), 20, "te_gqa_fix: patched %s", site)
-        if getattr(module, SYMBOL) is not wrapper:
-            raise RuntimeError(f"te_gqa_fix: failed to patch {module.__name__}.{SYMBOL}")
-        _original, _wrapper = original, wrapper
-        return rebound
+    rebound: List[str] = []
+    for mod, attr, value in list(_holders(stale)):
+        restore = value if id(value) in unreached else te_function
+        new = wrapper_for(restore)
+        setattr(mod, attr, new)
+        _sites[(id(mod), attr)] = (mod, attr, restore, new)
+        rebound.append(f"{mod.__name__}.{attr}")
+    if not _reaches_wrapper(getattr(module, SYMBOL)):
+        raise SetupError(f"failed to patch {FUSED_ATTN_MODULE}.{SYMBOL}")
+    _te_function = te_function
+    if rebound:
+        logger.info("installed: %d call sites of %s rebound", len(rebound), SYMBOL)
+    missing = unreached_call_sites()
+    if missing:
+        log_once(
+            ("unreached", tuple(missing)),
+            logging.WARNING,
+            "installed, but these call sites of Transformer Engine do not call te-gqa-fix's "
+            "wrapper: %s (something replaced the function there with an object that does not "
+            "name what it wraps in __wrapped__, or TE moved its call sites); their gradients "
+            "are not repaired. is_installed() says False until they do",
+            ", ".join(missing),
+        )
+    _te.warn_if_unvalidated()
+    return rebound
 
 
 def install() -> List[str]:
     """Patch TE; return the ``module.attribute`` sites rebound by this call.
 
-    Imports ``transformer_engine.pytorch`` (so its consumers are loaded), then rebinds
-    the original in every module that holds it. Calling it again only picks up sites
-    loaded since; it never wraps a wrapper. After ``importlib.reload`` of TE's module,
-    sites still holding the earlier function (or our wrapper of it) are rebound to the
-    wrapper of the new one. The patch lasts: a ``patched()`` block that this call runs
-    inside leaves it installed on exit.
+    Imports ``transformer_engine.pytorch`` (so its callers are loaded), then rebinds every
+    site that holds TE's function, or another library's ``functools.wraps`` wrapper of it,
+    without reaching te-gqa-fix's wrapper. Calling it again only picks up sites loaded
+    since; it never wraps a wrapper twice. After ``importlib.reload`` of TE's module, sites
+    still holding the earlier function (or a wrapper of it) get the wrapper of the new
+    one. The patch lasts: a ``patched()`` block that this call runs inside leaves it
+    installed on exit.
+
+    Returns:
+        The sites rebound (``module.attribute``).
 
     Raises:
-        ImportError: TE or the symbol is missing.
+        SetupError: TE or the function is missing (an ImportError).
     """
     global _lasting
     with _lock:
@@ -168,50 +180,65 @@ def install() -> List[str]:
 
 
 def uninstall() -> List[str]:
-    """Restore TE's function at every site we patched (and any module that copied the
-    wrapper since): exactly what each held, or after a reload the current definition.
-    Returns the sites restored; a no-op when not installed."""
-    global _original, _wrapper, _lasting
+    """Give every site :func:`install` rebound what it held before (after a reload, TE's
+    current function), where it still holds the wrapper. A no-op when not installed.
+
+    Returns:
+        The sites restored.
+    """
+    global _te_function, _lasting
     with _lock:
         _lasting = False
-        if _original is None or _wrapper is None:
-            return []
-        original, wrapper = _original, _wrapper  # locals: the loop must not see rebinding
         restored: List[str] = []
-        seen = set()
-        for mod, attr in list(_sites) + list(_holders(wrapper)):
-            key = (id(mod), attr)
-            if key in seen:
-                continue
-            seen.add(key)
-            if getattr(mod, attr, None) is wrapper:
-                setattr(mod, attr, original)
+        for mod, attr, before, new in _sites.values():
+            if getattr(mod, attr, None) is new:
+                setattr(mod, attr, before)
                 restored.append(f"{mod.__name__}.{attr}")
         _sites.clear()
-        logger.info("te_gqa_fix: uninstalled from %d sites", len(restored))
-        _original, _wrapper = None, None
+        _te_function = None
+        if restored:
+            logger.info("uninstalled from %d call sites", len(restored))
         return restored
 
 
 def is_installed() -> bool:
-    """True when TE's defining module holds our wrapper of the function it defines now:
-    the one :func:`install` wrapped, not one from before an ``importlib.reload`` (no TE
-    import)."""
+    """True when TE's defining module calls the wrapper of the function it defines now
+    (not one from before an ``importlib.reload``) and so do DotProductAttention's and the
+    context-parallel call sites (no TE import).
+
+    Returns:
+        Whether every call of TE's backward gets the fix.
+    """
     mod = sys.modules.get(FUSED_ATTN_MODULE)
-    fn = getattr(mod, SYMBOL, None) if mod is not None else None
-    if not is_wrapper(fn):
+    held = getattr(mod, SYMBOL, None) if mod is not None else None
+    links = chain(held)
+    if not any(map(is_wrapper, links)):
         return False
     with _lock:
-        return _original is None or unwrap(fn) is _original
+        if _te_function is not None and links[-1] is not _te_function:
+            return False
+    return not unreached_call_sites()
+
+
+def installed_sites() -> List[str]:
+    """The ``module.attribute`` sites :func:`install` rebound that still hold the wrapper."""
+    with _lock:
+        return [
+            f"{m.__name__}.{a}" for m, a, _, new in _sites.values() if getattr(m, a, None) is new
+        ]
 
 
 @contextlib.contextmanager
 def patched() -> Iterator[List[str]]:
     """``with te_gqa_fix.patched():`` installs for the block; uninstalls on exit only if it
     was not installed before and no :func:`install` inside the block asked for a lasting
-    patch (nesting and a prior or inner ``install()`` are respected)."""
+    patch (nesting and a prior or inner ``install()`` are respected).
+
+    Returns:
+        A context manager yielding the sites rebound on entry.
+    """
     with _lock:
-        was_installed = is_installed()
+        was_installed = bool(_sites)
         sites = _install()
     try:
         yield sites
@@ -219,15 +246,3 @@ def patched() -> Iterator[List[str]]:
         with _lock:
             if not was_installed and not _lasting:
                 uninstall()
-
-
-def fused_attn_bwd(*args: Any, **kwargs: Any) -> Any:
-    """Drop-in for TE's ``fused_attn_bwd`` (TE 2.8 to 2.20, positional or keyword).
-
-    Calls the installed TE's function through the wrapper and returns what it returns,
-    with every row whose true gradient is 0 zeroed in place; no host sync.
-
-    Raises:
-        ImportError: Transformer Engine is missing (the message says how to install it).
-    """
-    return wrapper_for(find_original())(*args, **kwargs)

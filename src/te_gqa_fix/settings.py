@@ -1,77 +1,95 @@
 """Every ``TE_GQA_FIX_*`` setting, read and parsed in one place.
 
-Standard library only: the start-up hook reads its settings here before torch exists.
-An unknown value raises :class:`SettingError` naming the variable, the value and what is
-accepted; a typo must never pick a behaviour the user did not ask for.
+Standard library only: the start-up hook reads its settings here before torch exists. Every
+setting takes the same spellings for off (``0``, ``off``, ``false``, ``no``, ``disable``,
+``disabled``, empty) and for on (``1``, ``on``, ``true``, ``yes``, ``enable``, ``enabled``:
+the setting's default behaviour, or ``on``). An unknown value raises :class:`SettingError`
+naming the variable, the value and what is accepted: a typo must never pick a behaviour the
+user did not ask for. An unknown ``TE_GQA_FIX_*`` name is reported with the closest known
+one (:func:`unknown_names`).
 """
 
 from __future__ import annotations
 
+import difflib
+import logging
 import os
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
-__all__ = ["PER_CALL", "SETTINGS", "SettingError", "describe", "get", "parse", "per_call"]
+from .errors import SettingError
 
+__all__ = [
+    "PER_CALL",
+    "SETTINGS",
+    "SettingError",
+    "describe",
+    "get",
+    "parse",
+    "per_call",
+    "shown",
+    "unknown_names",
+]
+
+PREFIX = "TE_GQA_FIX"
 _OFF = ("", "0", "off", "false", "no", "disable", "disabled")
-_ON = ("1", "on", "true", "yes")
+_ON = ("1", "on", "true", "yes", "enable", "enabled")
+
+
+def _spellings(on: str, **values: Tuple[str, ...]) -> Dict[str, str]:
+    """Accepted spellings -> value: the shared off and on spellings, then ``values``."""
+    table = {**dict.fromkeys(_OFF, "off"), **dict.fromkeys(_ON, on)}
+    for value, names in values.items():
+        table.update(dict.fromkeys(names, value))
+    return table
+
 
 #: variable -> (accepted spellings -> parsed value, default, one line on what it does).
 #: ``TE_GQA_FIX_CUDNN`` also takes a folder (``/path`` or ``strict:/path``).
 SETTINGS: Dict[str, Tuple[Dict[str, str], str, str]] = {
     "TE_GQA_FIX": (
-        {
-            **dict.fromkeys(("", "auto", "on", "1", "gqa"), "auto"),
-            **dict.fromkeys(("always", "all"), "always"),
-            **dict.fromkeys(_OFF[1:], "off"),
-        },
+        _spellings("auto", auto=("auto", "gqa"), always=("always", "all")),
         "auto",
-        "post-pass policy: auto (GQA/MQA on an affected cuDNN), always, off",
+        "post-pass policy: auto (GQA/MQA where no measurement says TE is right), always, off",
     ),
     "TE_GQA_FIX_GUARD": (
-        {
-            **dict.fromkeys(("", "fallback"), "fallback"),
-            "warn": "warn",
-            "strict": "strict",
-            **dict.fromkeys(_OFF[1:], "off"),
-        },
+        _spellings("fallback", fallback=("fallback",), warn=("warn",), strict=("strict",)),
         "fallback",
         "a backward the post-pass cannot repair: fallback (exact recompute), warn, strict, off",
     ),
     "TE_GQA_FIX_VALIDATE": (
-        {**dict.fromkeys(_OFF, "off"), **dict.fromkeys(_ON, "on")},
+        _spellings("on"),
         "off",
         "on: read the offsets in every call and raise there (a host sync; debugging)",
     ),
     "TE_GQA_FIX_AUTOPATCH": (
-        {**dict.fromkeys(_OFF, "off"), **dict.fromkeys(_ON, "on"), "strict": "strict"},
+        _spellings("on", strict=("strict",)),
         "off",
         "start-up hook: install when transformer_engine.pytorch is imported (strict: or fail)",
     ),
     "TE_GQA_FIX_CUDNN": (
-        {
-            **dict.fromkeys(_OFF, "off"),
-            **dict.fromkeys(("auto", *_ON), "auto"),
-            "strict": "strict",
-        },
+        _spellings("auto", auto=("auto",), strict=("strict",)),
         "off",
-        "load a fixed cuDNN (>= 9.18) before torch and TE: auto, strict, FOLDER, strict:FOLDER",
+        "load a cuDNN measured right before torch and TE: auto, strict, FOLDER, strict:FOLDER",
     ),
 }
+for _table, _default, _ in SETTINGS.values():  # the empty spelling is the default
+    _table[""] = _default
+del _table, _default
 
 
-class SettingError(ValueError):
-    """A ``TE_GQA_FIX_*`` variable holds a value that is not one of its accepted values."""
+#: How much of a value a message echoes (the start-up hook logs it in every process).
+SHOWN_CHARS = 80
 
 
-_parsed: Dict[Tuple[str, object], str] = {}
-
-#: os.environ's own store and each setting's key in it (CPython and PyPy keep a dict in
-#: ``_data``): ``.get`` there costs no KeyError for an unset variable, unlike ``Mapping.get``.
-_ENVIRON = os.environ
-_STORE = getattr(_ENVIRON, "_data", None)
-_STORE_KEYS: Dict[str, object] = (
-    {n: _ENVIRON.encodekey(n) for n in SETTINGS} if type(_STORE) is dict else {}  # type: ignore[attr-defined]
-)
+def shown(value: object) -> str:
+    """``repr(value)``, or where that is long its start and the length: a message never
+    echoes a huge value (``'aaaa...'...(100000 chars)``)."""
+    text = repr(value)
+    if len(text) <= SHOWN_CHARS:
+        return text
+    if isinstance(value, str):
+        return f"{value[:SHOWN_CHARS]!r}...({len(value)} chars)"
+    return f"{text[:SHOWN_CHARS]}...({len(text)} chars)"
 
 
 def parse(name: str, raw: Optional[str]) -> str:
@@ -107,19 +125,15 @@ def parse(name: str, raw: Optional[str]) -> str:
     )
 
 
-#: How much of a value a message echoes (the start-up hook logs it in every process).
-SHOWN_CHARS = 80
+_parsed: Dict[Tuple[str, object], str] = {}
 
-
-def shown(value: object) -> str:
-    """``repr(value)``, or where that is long its start and the length: a message never
-    echoes a huge value (``'aaaa...'...(100000 chars)``)."""
-    if isinstance(value, str):
-        if len(value) <= SHOWN_CHARS:
-            return repr(value)
-        return f"{value[:SHOWN_CHARS]!r}...({len(value)} chars)"
-    text = repr(value)
-    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}...({len(text)} chars)"
+#: os.environ's own store and each setting's key in it (CPython and PyPy keep a dict in
+#: ``_data``): ``.get`` there costs no KeyError for an unset variable, unlike ``Mapping.get``.
+_ENVIRON = os.environ
+_STORE = getattr(_ENVIRON, "_data", None)
+_STORE_KEYS: Dict[str, object] = (
+    {n: _ENVIRON.encodekey(n) for n in SETTINGS} if type(_STORE) is dict else {}  # type: ignore[attr-defined]
+)
 
 
 def _raw(name: str, env: Mapping[str, str]) -> object:
@@ -147,6 +161,21 @@ def get(name: str, environ: Optional[Mapping[str, str]] = None) -> str:
     return value
 
 
+def unknown_names(environ: Optional[Mapping[str, str]] = None) -> List[Tuple[str, Optional[str]]]:
+    """``TE_GQA_FIX*`` variables that are set but are no setting, each with the closest known
+    name (None where none is close): ``TE_GQA_FIX_GAURD`` -> ``TE_GQA_FIX_GUARD``.
+
+    Args:
+        environ: the environment to read (default ``os.environ``).
+
+    Returns:
+        ``[(name, closest or None)]``, sorted by name.
+    """
+    env = os.environ if environ is None else environ
+    names = sorted(n for n in env if n.upper().startswith(PREFIX) and n not in SETTINGS)
+    return [(n, next(iter(difflib.get_close_matches(n, SETTINGS, 1, 0.6)), None)) for n in names]
+
+
 def describe(environ: Optional[Mapping[str, str]] = None) -> Dict[str, Dict[str, object]]:
     """Every setting with its raw value, parsed value (or error) and meaning, for ``doctor``.
 
@@ -171,10 +200,22 @@ _per_call: Dict[tuple, Tuple[str, ...]] = {}
 
 def per_call() -> Tuple[str, ...]:
     """:data:`PER_CALL`, parsed from ``os.environ`` now: three reads and one dict lookup
-    per call (cached per raw values); the first call with a typo in any of them raises
-    :class:`SettingError`."""
+    per call (cached per raw values). The first call with a typo in any of them raises
+    :class:`SettingError`; the first call logs, once, every unknown ``TE_GQA_FIX*`` name."""
     raw = tuple([_raw(n, _ENVIRON) for n in PER_CALL])
     values = _per_call.get(raw)
     if values is None:
-        values = _per_call[raw] = tuple([get(n) for n in PER_CALL])
+        values = tuple([get(n) for n in PER_CALL])
+        if not _per_call:
+            _warn_unknown_names()
+        _per_call[raw] = values
     return values
+
+
+def _warn_unknown_names() -> None:
+    from ._logging import log_once
+
+    for name, closest in unknown_names():
+        hint = f"; did you mean {closest}?" if closest else ""
+        msg = "%s is not a te-gqa-fix setting (ignored)%s"
+        log_once(("unknown-setting", name), logging.WARNING, msg, name, hint)

@@ -1,43 +1,49 @@
-"""The wrapper of TE's ``fused_attn_bwd``: TE's call (or the exact fallback), then the post-pass.
+"""The wrapper of TE's ``fused_attn_bwd``: key -> decision -> TE or the fallback -> post-pass.
 
-One call, top to bottom (``fused_attn_bwd`` below):
+One call, top to bottom (``fused_attn_bwd`` in :func:`_new_wrapper`):
 
 1. the settings, parsed (a typo in any of them raises here, at the first call);
-2. the call's metadata -> its :class:`Decision`, made once per call shape and cached: TE's
-   call untouched where a measured cuDNN is right (:mod:`.affected`), else post-pass or not,
-   the guard's verdict, the fallback's recipes, the post-pass kernel's prepared launches. A
-   call returned untouched reads only the facts of that decision;
-3. for a call the wrapper acts on, its inputs' metadata (devices, the offsets' dtypes and
-   lengths) checked once per value, before TE runs;
-4. the guard, where TE's result is wrong beyond any post-pass: the exact fallback
-   (:mod:`.fallback`) instead of TE, or an error; never TE's wrong result unless asked;
-5. the post-pass (:mod:`.postpass`) on the gradients: a kernel launch prepared once per
-   metadata of the inputs and the gradients together, since it reads both (the number of
-   sequences is the offsets' length).
+2. the call key -> its :class:`Decision`, made once per call shape by :mod:`.rules` and
+   cached: pass through (a measured cuDNN is right, MHA, self-attention with one offsets
+   tensor, ...), TE then the post-pass, the exact fallback then the post-pass, or an error.
+   A call passed through reads nothing more;
+3. for a call the wrapper acts on, the inputs key -> its :class:`Prepared`: the inputs
+   checked once, before TE runs, and what acting on them needs (the post-pass launches per
+   gradient metadata, the fallback's recipe);
+4. TE's backward, or the exact fallback (:mod:`.fallback`, imported at the first call that
+   needs it), or :class:`~te_gqa_fix.errors.UnrepairableConfiguration`;
+5. the post-pass (:mod:`.postpass`) on the gradients: one prepared kernel launch.
 
-Arguments are read by name through the wrapped function's signature: TE's signature drifted
-between releases and its call sites mix positional and keyword arguments. No host sync.
+A repeat call enters this module, :mod:`.settings` and :mod:`.postpass` (and the fallback
+where it runs). No host sync.
+
+:func:`wrapper_for` is the one documented hook for code that wraps a function of TE's
+signature itself (the benchmarks time it around a stub).
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
-import operator
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import fallback, postpass, settings
+from . import _te, checks, postpass, rules, settings
 from ._logging import log_once, logger
+from ._te import LAYOUTS, SYMBOL, Args, Signature
+from .errors import InputError, UnrepairableConfiguration
 from .masks import KeySpan, key_span
-from .stack import affected
-from .stack.affected import UnrepairableConfiguration
-from .te_names import LAYOUTS
-from .validation import check_metadata, shape_of
 
-__all__ = ["MARKER", "call_counts", "is_wrapper", "reset_call_counts", "unwrap", "wrapper_for"]
+__all__ = [
+    "call_counts",
+    "chain",
+    "fused_attn_bwd",
+    "is_wrapper",
+    "reset_call_counts",
+    "unwrap",
+    "wrapper_for",
+]
 
 MARKER = "__te_gqa_fix_wrapper__"
 
@@ -48,15 +54,33 @@ def is_wrapper(fn: object) -> bool:
 
 
 def unwrap(fn: Callable) -> Callable:
-    """``fn`` without our wrappers (never anyone else's)."""
+    """``fn`` without te-gqa-fix's wrappers on top (anyone else's stay)."""
     while is_wrapper(fn):
         fn = fn.__wrapped__  # type: ignore[attr-defined]
     return fn
 
 
+#: How many ``__wrapped__`` links :func:`chain` follows (a guard against cycles).
+MAX_CHAIN = 32
+
+
+def chain(fn: object) -> List[Any]:
+    """``fn`` and every function below it through ``__wrapped__`` (``functools.wraps``
+    wrappers, ours and anyone's), outermost first: the last is the function that wraps
+    nothing, TE's own."""
+    links = [fn]
+    while len(links) < MAX_CHAIN:
+        inner = getattr(links[-1], "__wrapped__", None) if callable(links[-1]) else None
+        if inner is None or any(inner is x for x in links):
+            break
+        links.append(inner)
+    return links
+
+
+# ----------------------------------------------------------------------------- counts
 _COUNT_NAMES = ("calls", "fixed", "skipped", "passthrough", "fallback")
 _CALLS, _FIXED, _SKIPPED, _PASSTHROUGH, _FALLBACK = range(5)
-_counts: List[int] = []  # set by reset_call_counts() below
+_counts: List[int] = [0] * len(_COUNT_NAMES)
 
 
 def call_counts() -> Dict[str, int]:
@@ -64,9 +88,9 @@ def call_counts() -> Dict[str, int]:
 
     Returns:
         ``calls``; ``fixed`` (post-pass on TE's output); ``skipped`` (nothing to do: MHA,
-        non-THD, one offsets tensor for queries and keys, policy off, fixed cuDNN);
-        ``passthrough`` (not understood, logged once); ``fallback`` (the exact fallback
-        replaced TE's call).
+        non-THD, one offsets tensor for queries and keys, policy off, a cuDNN measured
+        right); ``passthrough`` (not understood, logged once); ``fallback`` (the exact
+        fallback replaced TE's call).
     """
     return dict(zip(_COUNT_NAMES, _counts))
 
@@ -76,243 +100,59 @@ def reset_call_counts() -> None:
     _counts[:] = [0] * len(_COUNT_NAMES)
 
 
-reset_call_counts()
+# -------------------------------------------------------------------------- decisions
+class Prepared:
+    """What acting on inputs of one metadata needs, made at their first call.
 
+    Attributes:
+        launches: the gradients' metadata (:func:`_out_key`) -> the post-pass kernel launch
+            for it (None: the PyTorch post-pass). A launch reads the offsets' length, so it
+            is never shared between inputs of other metadata.
+        recipe: the fallback's recipe for these inputs, or why it declines them (fallback
+            decisions only; None until the first call).
+    """
 
-#: What the wrapper reads from every call, in this order. ``dqkv_layout`` (TE >= 2.20)
-#: counts only when the call gives it; otherwise ``qkv_layout`` names the gradients' layout.
-_NAMES = (
-    "q", "k", "v", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded",
-    "cu_seqlens_kv_padded", "attn_mask_type", "window_size", "bottom_right_diagonal",
-    "qkv_layout", "dqkv_layout",
-)  # fmt: skip
+    __slots__ = ("launches", "recipe")
 
-
-class _Signature:
-    """Name-based access to a call's arguments, resolved once per wrapped function."""
-
-    def __init__(self, fn: Callable) -> None:
-        self.sig = inspect.signature(fn)
-        params = list(self.sig.parameters.values())
-        if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
-            raise TypeError("a signature with *args or **kwargs cannot be read by name")
-        positions = {p.name: i for i, p in enumerate(params) if p.kind != p.KEYWORD_ONLY}
-        # A name the signature lacks reads as None (a window_size of None is unbounded).
-        defaults = {p.name: p.default for p in params if p.default is not p.empty}
-        #: For bind(): positional names in order, every name, every default.
-        self.order = [p.name for p in params if p.kind != p.KEYWORD_ONLY]
-        self.names = frozenset(p.name for p in params)
-        self.keywords = frozenset(p.name for p in params if p.kind != p.POSITIONAL_ONLY)
-        self.defaults = dict(defaults)
-        defaults["dqkv_layout"] = None
-        self.slots = [(n, positions.get(n), defaults.get(n)) for n in _NAMES]
-        self.fast: Optional[Callable] = None
-        self.need = 0
-        if all(n in positions for n in _NAMES):  # every argument by position: one C call
-            self.fast = operator.itemgetter(*(positions[n] for n in _NAMES))
-            self.need = max(positions[n] for n in _NAMES) + 1
-
-    def pick(self, args: Sequence, kwargs: Mapping[str, Any]) -> tuple:
-        """The values of :data:`_NAMES` in this call (defaults where not given)."""
-        if self.fast is not None and not kwargs and len(args) >= self.need:
-            return self.fast(args)
-        n_args = len(args)
-        return tuple(
-            kwargs[n] if n in kwargs else args[i] if i is not None and i < n_args else d
-            for n, i, d in self.slots
-        )
-
-    def bind(self, args: Sequence, kwargs: Mapping[str, Any]) -> Dict[str, Any]:
-        """Every argument by name, defaults applied (TypeError where TE's call would fail).
-
-        The exact fallback asks once per call it serves, before its first kernel: the common
-        case skips ``inspect``'s bind, which is slow on the host, and returns what it would.
-        """
-        given = self.order[: len(args)]
-        if len(args) <= len(self.order) and kwargs.keys() <= self.keywords:
-            call = dict(self.defaults)
-            call.update(zip(given, args))
-            if not kwargs or kwargs.keys().isdisjoint(given):
-                call.update(kwargs)
-                if len(call) == len(self.names):  # every parameter has a value
-                    return call
-        bound = self.sig.bind(*args, **kwargs)  # raises the TypeError TE's call would
-        bound.apply_defaults()
-        return dict(bound.arguments)
-
-
-#: The gradients' metadata (:func:`_out_key`) -> the post-pass for it: a prepared kernel
-#: launch, or None for the PyTorch post-pass.
-Launches = Dict[tuple, Optional[postpass.launch.KernelLaunch]]
+    def __init__(self) -> None:
+        self.launches: Dict[tuple, Optional[postpass.KernelLaunch]] = {}
+        self.recipe: Any = None
 
 
 class Decision:
-    """Everything one call shape needs, decided from its metadata at its first call.
+    """Everything one call shape needs, decided from its call key at its first call.
 
     Attributes:
-        postpass: zero the dead rows of the gradients (False: TE's output as it is).
+        action: :func:`te_gqa_fix.rules.decide`'s action.
+        passes: TE's call untouched, nothing more read.
         dq_too: dQ is THD, so its dead rows are zeroed as well.
         span: the mask's attended-key rule (:func:`te_gqa_fix.masks.key_span`).
-        unrepairable: why TE's result is wrong beyond any post-pass here, or None.
-        inputs: the inputs' metadata checked so far (:func:`_inputs_key`) -> the post-pass
-            :data:`Launches` prepared for those inputs.
-        fallback_recipes: :func:`te_gqa_fix.fallback.call_facts` -> the fallback's recipe, or
-            why it declines.
+        message: why TE is wrong here (actions ``fallback``, ``raise``, ``warn``).
+        fallback: the fallback module, for ``fallback`` actions.
+        prepared: the inputs key (:func:`_inputs_key`) -> :class:`Prepared`.
     """
 
-    __slots__ = ("dq_too", "fallback_recipes", "inputs", "postpass", "span", "unrepairable")
+    __slots__ = ("action", "dq_too", "fallback", "message", "passes", "prepared", "span")
 
     def __init__(
         self,
-        postpass: bool,
+        action: rules.Action,
         dq_too: bool = False,
         span: Optional[KeySpan] = None,
-        unrepairable: Optional[str] = None,
+        message: str = "",
     ) -> None:
-        self.postpass = postpass
+        self.action = action
+        self.passes = action.run == "te" and not action.zero
         self.dq_too = dq_too
         self.span = span
-        self.unrepairable = unrepairable
-        self.inputs: Dict[tuple, Launches] = {}
-        self.fallback_recipes: Dict[fallback.CallFacts, Union[fallback.Recipe, str]] = {}
+        self.message = message
+        self.fallback: Any = None
+        self.prepared: Dict[tuple, Prepared] = {}
 
 
-_UNSET = object()
-_NOTHING_TO_DO = Decision(False)
 _MAX_SHAPES = 256
 _Tensor = torch.Tensor
-
-
-def _passthrough(key: object, msg: str, *args: object) -> None:
-    _counts[_PASSTHROUGH] += 1
-    msg = "te_gqa_fix: " + msg + "; passed through untouched"
-    log_once(("passthrough", key), logging.WARNING, msg, *args)
-
-
-def _device_index(q: object) -> Optional[int]:
-    if type(q) is _Tensor:
-        return q.get_device() if q.is_cuda else None  # type: ignore[union-attr]
-    device = getattr(q, "device", None)
-    return device.index if getattr(device, "type", None) == "cuda" else None
-
-
-def _head_dims(q: object, v: object) -> Tuple[int, int]:
-    """The q/k and v head dims (0 where a shape cannot be read)."""
-    sq, sv = shape_of(q), shape_of(v)
-    return (int(sq[-1]) if sq else 0), (int(sv[-1]) if sv else 0)
-
-
-def _call_key(policy: str, dev: Optional[int], picked: tuple) -> Optional[tuple]:
-    """Every fact :func:`_decide` reads from a call, or None when q, k or v is not a plain
-    tensor (the call is then decided anew). What only the inputs' check reads is keyed
-    apart (:func:`_inputs_key`), so a call returned untouched reads nothing more."""
-    q, k, v, cu_q, cu_kv, pad_q, pad_kv, mask, window, brd, lay, dlay = picked
-    T = _Tensor
-    if type(q) is not T or type(k) is not T or type(v) is not T:
-        return None
-    return (
-        policy, dev, q.dtype, q.shape, k.shape, v.shape, cu_q is cu_kv, pad_q is pad_kv,
-        mask, tuple(window) if type(window) is list else window, brd, lay, dlay,
-    )  # fmt: skip
-
-
-def _inputs_key(picked: tuple) -> Optional[tuple]:
-    """What the inputs' check (:func:`_checked_inputs`) reads beyond the call key, and what a
-    post-pass launch reads of the offsets (their length, dtype, device, which are None); None
-    when a value cannot be keyed (the check then runs on every call)."""
-    q, k, v, cu_q, cu_kv, pad_q, pad_kv = picked[:7]
-    T = _Tensor
-    if not (
-        type(q) is T and type(k) is T and type(v) is T and type(cu_q) is T and type(cu_kv) is T
-        and (pad_q is None or type(pad_q) is T) and (pad_kv is None or type(pad_kv) is T)
-    ):  # fmt: skip
-        return None
-    return (
-        q.device, k.device, v.device,
-        cu_q.dtype, cu_q.shape, cu_q.device, cu_kv.dtype, cu_kv.shape, cu_kv.device,
-        None if pad_q is None else (pad_q.dtype, pad_q.shape, pad_q.device),
-        None if pad_kv is None else (pad_kv.dtype, pad_kv.shape, pad_kv.device),
-    )  # fmt: skip
-
-
-#: The gradient dtypes TE zero-fills in a THD backward before cuDNN writes them.
-_FILLED_BY_TE = (torch.float16, torch.bfloat16)
-
-
-def _self_attention(picked: tuple) -> bool:
-    """Whether no row of this call can need the post-pass: queries and keys share their
-    offsets tensors, so every sequence has as many queries as keys and each valid key is
-    attended by its own position's query (:func:`te_gqa_fix.masks.key_bounds` gives
-    ``[0, lk)`` for every mask and window when ``lq == lk``). The bug's rows, keys of a
-    sequence without queries, then do not exist, and TE zero-fills every other row (padding,
-    tail) of a plain fp16/bf16 THD gradient itself."""
-    q, cu_q, cu_kv, pad_q, pad_kv = picked[0], picked[3], picked[4], picked[5], picked[6]
-    return cu_q is cu_kv and pad_q is pad_kv and type(q) is _Tensor and q.dtype in _FILLED_BY_TE
-
-
-def _decide(policy: str, dev: Optional[int], picked: tuple) -> Optional[Decision]:
-    """What to do for one call shape, from the facts of its :func:`_call_key` alone; None:
-    not understood (logged). A decision that acts on the call has its inputs checked by
-    :func:`_checked_inputs` before TE runs.
-
-    Raises ``ValueError`` naming the argument for mask arguments :func:`~.masks.key_span`
-    cannot read (never cached).
-    """
-    q, k, v = picked[:3]
-    mask, window, brd, lay, dlay = picked[7:]
-    d_qk, d_v = _head_dims(q, v)
-    if policy == "auto" and dev is not None and affected.passes_through(dev, d_qk, d_v):
-        return _NOTHING_TO_DO  # measured right here: nothing to repair, nothing to guard
-    layout_name, layout = ("qkv_layout", lay) if dlay is None else ("dqkv_layout", dlay)
-    formats = LAYOUTS.get(layout) if isinstance(layout, str) else None
-    if formats is None:
-        msg = "%s=%r is not a layout te-gqa-fix knows"
-        _passthrough(("layout", layout), msg, layout_name, layout)
-        return None
-    dq_too, kv_thd = formats
-    if not kv_thd:
-        return _NOTHING_TO_DO
-    unrepairable = None
-    if dev is not None and d_qk and d_v:
-        unrepairable = affected.why_unrepairable(dev, d_qk, d_v)
-    h_q, h_kv = _thd_heads(q, k)
-    postpass = policy == "always" or h_q is None or (h_q != h_kv and not _self_attention(picked))
-    if not postpass and unrepairable is None:
-        return _NOTHING_TO_DO
-    return Decision(postpass, dq_too, key_span(mask, window, brd), unrepairable)
-
-
-def _thd_heads(q: object, k: object) -> Tuple[Optional[int], Optional[int]]:
-    """The query and KV heads of THD tensors (None for anything else: the inputs' check
-    refuses it)."""
-    sq, sk = shape_of(q), shape_of(k)
-    h_q = int(sq[1]) if sq and len(sq) == 3 else None
-    h_kv = int(sk[1]) if sk and len(sk) == 3 else None
-    return h_q, h_kv
-
-
-def _checked_inputs(decision: Decision, picked: tuple) -> Launches:
-    """Check TE's q, k, v and offsets for a call the wrapper acts on, once per metadata
-    (:func:`_inputs_key`); ``ValueError`` naming the argument, before TE runs.
-
-    Returns:
-        The post-pass launches prepared for inputs of this metadata: a launch reads the
-        offsets' length, so launches are never shared between inputs of other metadata.
-    """
-    key = _inputs_key(picked)
-    launches = None if key is None else decision.inputs.get(key)
-    if launches is not None:
-        return launches
-    q, k, v, cu_q, cu_kv, pad_q, pad_kv = picked[:7]
-    h_q, h_kv = _thd_heads(q, k)
-    names = ("q", "k", "v")
-    check_metadata(
-        q if decision.dq_too else None, k, v, cu_q, cu_kv, pad_q, pad_kv, h_q, h_kv, names
-    )
-    launches = {}
-    if key is not None:
-        _remember(decision.inputs, key, launches)
-    return launches
+_MISS = object()
 
 
 def _remember(cache: Dict[Any, Any], key: object, value: object) -> None:
@@ -322,51 +162,215 @@ def _remember(cache: Dict[Any, Any], key: object, value: object) -> None:
     cache[key] = value
 
 
-def _fallback_recipe(decision: Decision, call: Mapping[str, Any]) -> Union[fallback.Recipe, str]:
-    """The fallback's recipe for this call (decided once per :class:`~.fallback.CallFacts`)."""
-    facts = fallback.call_facts(call)
-    try:
-        recipe = decision.fallback_recipes.get(facts)
-    except TypeError:  # an unhashable argument: decide without the cache
-        return fallback.decide(facts)
+def _passthrough(key: object, msg: str, *args: object) -> None:
+    _counts[_PASSTHROUGH] += 1
+    log_once(("passthrough", key), logging.WARNING, msg + "; passed through untouched", *args)
+
+
+def _device_index(q: object) -> Optional[int]:
+    if type(q) is _Tensor:
+        return q.get_device() if q.is_cuda else None  # type: ignore[union-attr]
+    device = getattr(q, "device", None)
+    return device.index if getattr(device, "type", None) == "cuda" else None
+
+
+def _call_key(policy: str, guard: str, a: Args) -> Optional[tuple]:
+    """Every fact :func:`_decide` and the fallback's recipe read from a call's scalars and
+    q/k/v shapes; None when q, k or v is not a plain tensor (the call is decided anew).
+    What only acting calls read is keyed apart (:func:`_inputs_key`), so a call passed
+    through reads nothing more."""
+    q, k, v, window = a.q, a.k, a.v, a.window_size
+    T = _Tensor
+    if type(q) is not T or type(k) is not T or type(v) is not T:
+        return None
+    return (
+        policy, guard, q.get_device() if q.is_cuda else None, q.dtype, q.shape, k.shape,
+        v.shape, a.cu_seqlens_q is a.cu_seqlens_kv,
+        a.cu_seqlens_q_padded is a.cu_seqlens_kv_padded, a.attn_mask_type,
+        tuple(window) if type(window) is list else window, a.bottom_right_diagonal,
+        a.qkv_layout, a.dqkv_layout, a.o_format, a.do_format, a.dropout, a.attn_bias_type,
+        a.softmax_type, a.deterministic, a.fake_dtype, a.dqkv_dtype,
+        a.s_quantizer is None and a.dp_quantizer is None and a.dqkv_quantizer is None,
+        type(a.max_seqlen_q) is int and type(a.max_seqlen_kv) is int,
+    )  # fmt: skip
+
+
+def _meta(t: object) -> object:
+    return (t.dtype, t.shape, t.device) if type(t) is _Tensor else (type(t),)  # type: ignore[union-attr]
+
+
+def _same_memory(a: object, b: object) -> bool:
+    return a is b or (
+        type(a) is _Tensor
+        and type(b) is _Tensor
+        and a.data_ptr() == b.data_ptr()  # type: ignore[union-attr]
+        and a.shape == b.shape  # type: ignore[union-attr]
+        and a.stride() == b.stride()  # type: ignore[union-attr]
+    )
+
+
+def _inputs_key(a: Args, fallback: bool) -> Optional[tuple]:
+    """What the inputs' check reads beyond the call key, and what a post-pass launch reads
+    of the offsets; for the fallback also the metadata of ``d_o``, ``o`` and TE's softmax
+    statistics and which offsets share memory. None when a value cannot be keyed (the
+    check then runs on every call)."""
+    q, k, v, cu_q, cu_kv, pad_q, pad_kv = (
+        a.q, a.k, a.v, a.cu_seqlens_q, a.cu_seqlens_kv, a.cu_seqlens_q_padded,
+        a.cu_seqlens_kv_padded,
+    )  # fmt: skip
+    T = _Tensor
+    if not (
+        type(cu_q) is T and type(cu_kv) is T
+        and (pad_q is None or type(pad_q) is T) and (pad_kv is None or type(pad_kv) is T)
+    ):  # fmt: skip
+        return None
+    key = (
+        q.device, k.device, v.device,
+        cu_q.dtype, cu_q.shape, cu_q.device, cu_kv.dtype, cu_kv.shape, cu_kv.device,
+        None if pad_q is None else (pad_q.dtype, pad_q.shape, pad_q.device),
+        None if pad_kv is None else (pad_kv.dtype, pad_kv.shape, pad_kv.device),
+    )  # fmt: skip
+    if not fallback:
+        return key
+    aux = a.aux_ctx_tensors
+    stats = aux[0] if type(aux) in (list, tuple) and aux else None
+    return (
+        *key, _meta(a.d_o), _meta(a.o), _meta(stats), _same_memory(cu_q, cu_kv),
+        _same_memory(pad_q, pad_kv), pad_q is None or _same_memory(pad_q, cu_q),
+        pad_kv is None or _same_memory(pad_kv, cu_kv),
+    )  # fmt: skip
+
+
+def _shape(t: object) -> Optional[tuple]:
+    return checks.shape_of(t)
+
+
+#: The gradient dtypes TE zero-fills in a THD backward before cuDNN writes them.
+_FILLED_BY_TE = (torch.float16, torch.bfloat16)
+
+#: (device index) -> (compute capability, the cuDNN TE runs), read once per process.
+_stack: Dict[int, Tuple[Optional[Tuple[int, ...]], Optional[Tuple[int, int, int]]]] = {}
+
+
+def stack_facts(
+    device_index: int,
+) -> Tuple[Optional[Tuple[int, ...]], Optional[Tuple[int, int, int]]]:
+    """The GPU's compute capability and the cuDNN TE runs, host reads only (cached)."""
+    facts = _stack.get(device_index)
+    if facts is None:
+        capability = tuple(torch.cuda.get_device_capability(device_index))
+        facts = _stack[device_index] = (capability, _te.te_cudnn_version())
+    return facts
+
+
+def _decide(policy: str, guard: str, a: Args, sig: Signature) -> Optional[Decision]:
+    """The :class:`Decision` for one call shape, from the facts of its call key alone;
+    None: not understood (logged). Malformed mask arguments give the conservative span
+    (TE validated them), logged once."""
+    layout_name, layout = (
+        ("qkv_layout", a.qkv_layout) if a.dqkv_layout is None else ("dqkv_layout", a.dqkv_layout)
+    )
+    formats = LAYOUTS.get(layout) if isinstance(layout, str) else None
+    if formats is None:
+        msg = "%s=%r is not a layout te-gqa-fix knows"
+        _passthrough(("layout", layout), msg, layout_name, layout)
+        return None
+    dq_too, kv_thd = formats
+    sq, sk, sv = _shape(a.q), _shape(a.k), _shape(a.v)
+    d_qk, d_v = (int(sq[-1]) if sq else 0), (int(sv[-1]) if sv else 0)
+    h_q = int(sq[1]) if sq and len(sq) == 3 else None
+    h_kv = int(sk[1]) if sk and len(sk) == 3 else None
+    dev = _device_index(a.q)
+    capability, cudnn = stack_facts(dev) if dev is not None else (None, None)
+    verdict = rules.judge(capability, cudnn, d_qk or None, d_v or None)
+    shape = rules.CallShape(
+        kv_thd=kv_thd,
+        gqa=h_q is None or h_kv is None or h_q != h_kv,
+        shared_offsets=h_q is not None
+        and a.cu_seqlens_q is a.cu_seqlens_kv
+        and a.cu_seqlens_q_padded is a.cu_seqlens_kv_padded,
+        filled_by_te=type(a.q) is _Tensor and a.q.dtype in _FILLED_BY_TE,
+    )
+    action = rules.decide(verdict, shape, policy, guard)
+    if action.run == "te" and not action.zero:
+        return Decision(action)
+    message = ""
+    if verdict.status == "live_rows_wrong":
+        message = _wrong_here(capability, cudnn, d_qk, d_v)
+    decision = Decision(
+        action, dq_too, key_span(a.attn_mask_type, a.window_size, a.bottom_right_diagonal), message
+    )
+    if action.run == "fallback":
+        from . import fallback
+
+        decision.fallback = fallback
+    return decision
+
+
+def _wrong_here(capability, cudnn, d_qk: int, d_v: int) -> str:
+    """Why TE's result is wrong beyond any post-pass here, and the remedies (no disk read:
+    ``doctor`` says what this machine has)."""
+    shape = f"{d_qk}" if d_qk == d_v else f"{d_qk} (q/k) / {d_v} (v)"
+    cap = capability or (0, 0)
+    build = (
+        f"cuDNN {rules.version_text(cudnn)}"
+        if cudnn is not None
+        else "a cuDNN whose version TE does not report (judged as the oldest measured build, "
+        f"{rules.version_text(rules.MEASURED[0].cudnn)})"
+    )
+    right = rules.newest_right(d_qk, d_v).cudnn
+    return (
+        f"Transformer Engine's THD attention backward with head dim {shape} on "
+        f"sm{cap[0]}{cap[1]} with {build} returns wrong gradients on rows that receive "
+        f"attention; a post-pass cannot repair this. Remedy: run TE on cuDNN "
+        f"{rules.version_text(right[:2])} or newer, which was measured right there: "
+        f"TE_GQA_FIX_CUDNN=auto loads an installed one ({rules.pip_hint(right)} installs "
+        f"one); `te-gqa-fix doctor --head-dim {d_qk}` says what this machine has."
+    )
+
+
+def _prepared(decision: Decision, a: Args) -> Prepared:
+    """The :class:`Prepared` of this call's inputs: checked once per inputs key before TE
+    runs (:class:`~te_gqa_fix.errors.InputError` naming the argument)."""
+    fallback = decision.fallback is not None
+    key = _inputs_key(a, fallback)
+    found = None if key is None else decision.prepared.get(key)
+    if found is not None:
+        return found
+    sq, sk = _shape(a.q), _shape(a.k)
+    checks.gradients(
+        a.q if decision.dq_too else None, a.k, a.v, a.cu_seqlens_q, a.cu_seqlens_kv,
+        a.cu_seqlens_q_padded, a.cu_seqlens_kv_padded,
+        int(sq[1]) if sq and len(sq) == 3 else None, int(sk[1]) if sk and len(sk) == 3 else None,
+        ("q", "k", "v"),
+    )  # fmt: skip
+    found = Prepared()
+    if key is not None:
+        _remember(decision.prepared, key, found)
+    return found
+
+
+def _fallback(decision: Decision, prepared: Prepared, a: Args, has_right_bound: bool) -> Any:
+    """The exact fallback's output for this call; UnrepairableConfiguration where it
+    declines the call."""
+    recipe = prepared.recipe
     if recipe is None:
-        recipe = fallback.decide(facts)
-        _remember(decision.fallback_recipes, facts, recipe)
-    return recipe
-
-
-def _guarded(
-    decision: Decision, mode: str, sig: _Signature, args: Sequence, kwargs: Mapping
-) -> Optional[Any]:
-    """For a call TE gets wrong beyond any post-pass, per ``TE_GQA_FIX_GUARD``: the exact
-    fallback's output (``fallback``), None for TE's own result (``warn``, once logged, or
-    ``off``), or :class:`UnrepairableConfiguration` (``strict``; ``fallback`` where the
-    fallback cannot serve the call)."""
-    msg = decision.unrepairable
-    if mode == "off":
-        return None
-    if mode == "strict":
-        raise UnrepairableConfiguration(msg)
-    if mode == "warn":
-        log_once(("unrepairable", msg), logging.WARNING, "%s (TE_GQA_FIX_GUARD=warn)", msg)
-        return None
-    call = sig.bind(args, kwargs)
-    recipe = _fallback_recipe(decision, call)
+        recipe = prepared.recipe = decision.fallback.decide(a, has_right_bound)
     if isinstance(recipe, str):
         raise UnrepairableConfiguration(
-            f"{msg} The exact fallback cannot serve this call: {recipe}. To accept TE's wrong "
-            "result knowingly instead, set TE_GQA_FIX_GUARD=warn."
+            f"{decision.message} The exact fallback cannot serve this call: {recipe}. To "
+            "accept TE's wrong result knowingly instead, set TE_GQA_FIX_GUARD=warn."
         )
     log_once(
-        ("fallback", msg), logging.WARNING,
+        ("fallback", decision.message), logging.WARNING,
         "%s te-gqa-fix computes this backward exactly with PyTorch's FlashAttention-2 kernels "
-        "instead (slower than a fixed cuDNN; TE_GQA_FIX_CUDNN=auto is the faster remedy)", msg,
+        "instead (slower than a cuDNN measured right: TE_GQA_FIX_CUDNN=auto)", decision.message,
     )  # fmt: skip
-    return fallback.run(recipe, call)
+    return decision.fallback.run(recipe, a)
 
 
 def _out_key(dq: object, dk: object, dv: object) -> Optional[tuple]:
-    """What a kernel launch depends on in the outputs; None for anything but plain tensors."""
+    """What a kernel launch depends on in the gradients; None for anything but plain tensors."""
     T = _Tensor
     if type(dk) is not T or type(dv) is not T or (dq is not None and type(dq) is not T):
         return None
@@ -374,41 +378,53 @@ def _out_key(dq: object, dk: object, dv: object) -> Optional[tuple]:
     return key if dq is None else (*key, dq.shape, dq.stride(), dq.dtype, dq.device)
 
 
-def _zero_dead_rows(
-    decision: Decision, launches: Launches, offsets: tuple, out: Any, validate: str
-) -> bool:
+def _check_outputs(dq: Any, dk: Any, dv: Any, offsets: tuple) -> None:
+    """The gate of ``zero_dead_rows`` on TE's (or the fallback's) gradients: readable THD
+    tensors, no two rows sharing memory (InputError otherwise)."""
+    checks.gradients(dq, dk, dv, *offsets)
+    named = []
+    for name, t in (("dq", dq), ("dk", dk), ("dv", dv)):
+        data = None if t is None else checks.writable_rows(t, name)
+        if data is not None:
+            checks.rows_disjoint(name, data)
+        named.append((name, data))
+    checks.disjoint(named)
+
+
+def _zero(decision: Decision, prepared: Prepared, a: Args, out: Any, validate: str) -> bool:
     """The post-pass on ``out`` (TE's or the fallback's); False when ``out`` is not
-    gradients it can read (passed through untouched, logged once). ``launches``: those of
-    this call's inputs (:func:`_checked_inputs`); ``validate``: ``TE_GQA_FIX_VALIDATE``."""
+    gradients it can zero (passed through untouched, logged once)."""
     if type(out) not in (list, tuple) or len(out) < 3:
         kind = type(out).__name__
         _passthrough(("output", kind), "fused_attn_bwd returned %s, not (dq, dk, dv, ...)", kind)
         return False
     dq = out[0] if decision.dq_too else None
     dk, dv = out[1], out[2]
+    offsets = (a.cu_seqlens_q, a.cu_seqlens_kv, a.cu_seqlens_q_padded, a.cu_seqlens_kv_padded)
     key = _out_key(dq, dk, dv)
-    kernel_launch = _UNSET if key is None else launches.get(key, _UNSET)
-    if kernel_launch is _UNSET:
-        try:  # once per metadata of the inputs and the gradients
-            check_metadata(dq, dk, dv, *offsets)
-        except ValueError as exc:
-            _passthrough(("output", str(exc)), "fused_attn_bwd returned gradients it cannot read (%s)", exc)  # fmt: skip
+    launch = _MISS if key is None else prepared.launches.get(key, _MISS)
+    if launch is _MISS:  # once per metadata of the inputs and the gradients
+        try:
+            _check_outputs(dq, dk, dv, offsets)
+        except InputError as exc:
+            msg = "fused_attn_bwd returned gradients the post-pass cannot zero (%s)"
+            _passthrough(("output", str(exc)), msg, exc)
             return False
-        kernel_launch = None
+        launch = postpass.prepare(dq, dk, dv, offsets, decision.span)  # type: ignore[arg-type]
         if key is not None:
-            kernel_launch = postpass.prepare_kernel(dq, dk, dv, offsets, decision.span)  # type: ignore[arg-type]
-            _remember(launches, key, kernel_launch)
-    postpass.zero_checked(dq, dk, dv, offsets, decision.span, kernel_launch, validate == "on")  # type: ignore[arg-type]
+            _remember(prepared.launches, key, launch)
+    postpass.zero(dq, dk, dv, offsets, decision.span, launch, validate == "on")  # type: ignore[arg-type]
     return True
 
 
 def _new_wrapper(original: Callable) -> Callable:
     try:
-        sig: Optional[_Signature] = _Signature(original)
+        sig: Optional[Signature] = Signature(original)
         reason = ""
     except (TypeError, ValueError) as exc:
         sig, reason = None, str(exc)
     decisions: Dict[tuple, Decision] = {}
+    has_right_bound = sig is not None and sig.has_right_bound
 
     @functools.wraps(original)
     def fused_attn_bwd(*args: Any, **kwargs: Any) -> Any:
@@ -421,33 +437,37 @@ def _new_wrapper(original: Callable) -> Callable:
             msg = "cannot read the signature of %r (%s)"
             _passthrough(("signature", id(original)), msg, original, reason)
             return original(*args, **kwargs)
-        picked = sig.pick(args, kwargs)
-        dev = _device_index(picked[0])
-        key = _call_key(policy, dev, picked)
+        a = sig.pick(args, kwargs)
+        key = _call_key(policy, guard, a)
         try:
             decision = None if key is None else decisions.get(key)
         except TypeError:  # an unhashable argument: decide without the cache
             key, decision = None, None
         if decision is None:
-            decision = _decide(policy, dev, picked)
+            decision = _decide(policy, guard, a, sig)
             if decision is None:
                 return original(*args, **kwargs)
             if key is not None:
                 _remember(decisions, key, decision)
-        if decision is _NOTHING_TO_DO:
+        if decision.passes:
             _counts[_SKIPPED] += 1
             return original(*args, **kwargs)
-        launches = _checked_inputs(decision, picked)
-        if decision.unrepairable is not None:
-            out = _guarded(decision, guard, sig, args, kwargs)
-            if out is not None:
-                if _zero_dead_rows(decision, launches, picked[3:7], out, validate):
-                    _counts[_FALLBACK] += 1
-                return out
+        prepared = _prepared(decision, a)
+        run = decision.action.run
+        if run == "fallback":
+            out = _fallback(decision, prepared, a, has_right_bound)
+            if _zero(decision, prepared, a, out, validate):
+                _counts[_FALLBACK] += 1
+            return out
+        if run == "raise":
+            raise UnrepairableConfiguration(f"{decision.message} (TE_GQA_FIX_GUARD=strict)")
+        if run == "warn":
+            msg = "%s (TE_GQA_FIX_GUARD=warn: TE's result is returned)"
+            log_once(("unrepairable", decision.message), logging.WARNING, msg, decision.message)
         out = original(*args, **kwargs)
-        if not decision.postpass:
+        if not decision.action.zero:
             _counts[_SKIPPED] += 1
-        elif _zero_dead_rows(decision, launches, picked[3:7], out, validate):
+        elif _zero(decision, prepared, a, out, validate):
             _counts[_FIXED] += 1
         return out
 
@@ -462,7 +482,8 @@ def wrapper_for(original: Callable) -> Callable:
     """The one wrapper of ``original`` (cached: patch sites and the drop-in share it).
 
     Args:
-        original: TE's ``fused_attn_bwd`` (or a function of the same signature).
+        original: TE's ``fused_attn_bwd``, or a function of the same signature (another
+            library's ``functools.wraps`` wrapper of it included).
 
     Returns:
         A function with the same signature that returns what ``original`` returns, after
@@ -473,5 +494,41 @@ def wrapper_for(original: Callable) -> Callable:
     if cached is not None and cached.__wrapped__ is original:  # type: ignore[attr-defined]
         return cached
     wrapper = _wrappers[id(original)] = _new_wrapper(original)
-    logger.debug("te_gqa_fix: wrapped %s", getattr(original, "__qualname__", original))
+    logger.debug("wrapped %s", getattr(original, "__qualname__", original))
     return wrapper
+
+
+# ---------------------------------------------------------------------------- drop-in
+#: (TE's module dict, what it held under fused_attn_bwd, the function the drop-in calls).
+_drop_in: Optional[Tuple[Dict[str, Any], object, Callable]] = None
+
+
+def _resolve_drop_in() -> Tuple[Dict[str, Any], object, Callable]:
+    global _drop_in
+    module = _te.fused_attn_module()
+    held = getattr(module, SYMBOL, None)
+    if held is None:
+        from .patch import missing_symbol
+
+        raise missing_symbol(module)
+    # Installed (ours somewhere in its chain): TE's module already calls the wrapper.
+    target = held if any(is_wrapper(x) for x in chain(held)) else wrapper_for(held)
+    _drop_in = (vars(module), held, target)
+    return _drop_in
+
+
+def fused_attn_bwd(*args: Any, **kwargs: Any) -> Any:
+    """Drop-in for TE's ``fused_attn_bwd`` (TE 2.8 to 2.20, positional or keyword).
+
+    Calls the installed TE's function through the wrapper and returns what it returns,
+    with every row whose true gradient is 0 zeroed in place; no host sync. TE's function
+    is looked up once, and again only when TE's module holds another one (an install, an
+    uninstall, a reload).
+
+    Raises:
+        SetupError: Transformer Engine is missing (an ImportError saying how to install it).
+    """
+    resolved = _drop_in
+    if resolved is None or resolved[0].get(SYMBOL) is not resolved[1]:
+        resolved = _resolve_drop_in()
+    return resolved[2](*args, **kwargs)

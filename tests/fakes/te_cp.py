@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from te_gqa_fix.testing import ThdBatch, reference_attention
+from thd import ThdBatch, reference_attention
 
 from .te_package import CONSUMERS, Precomputed
 

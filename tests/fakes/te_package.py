@@ -116,7 +116,7 @@ def unreached_kv_rows(
 
 def reference_kernel(args: Dict[str, Any], bug: str) -> list:
     """Exact gradients (fp32 reference), then the bug's stale rows."""
-    from te_gqa_fix.testing import ThdBatch, reference_attention
+    from thd import ThdBatch, reference_attention
 
     q, k, v = args["q"], args["k"], args["v"]
     assert args["qkv_layout"] == "thd_thd_thd", args["qkv_layout"]

@@ -2,24 +2,54 @@
 
 The rows come from :func:`te_gqa_fix.postpass.dead_row_masks`, each row's reason from the
 mask's key interval and the offsets; a row where the two disagree is ``inconsistent``.
+Runs on CPU; Transformer Engine is not needed.
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
+import re
+import sys
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Dict, List, Optional, Tuple
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..masks import check_mask_arguments, key_interval, key_span
+from .. import checks
+from .._te import OFFSET_NAMES
+from ..masks import key_bounds, key_span
 from ..postpass import dead_row_masks
-from ..te_names import OFFSET_NAMES
-from ..validation import check_offsets, check_values
-from . import INTEGER, fallback_coverage
 
-__all__ = ["Plan", "PlanInput", "build_plan", "format_plan", "plan_from_json", "plan_input"]
+#: An integer as plan and doctor accept it: ASCII digits, an optional leading "-" (no "_",
+#: no "+", no other scripts' digits, which ``int()`` would take).
+INTEGER = re.compile(r"-?[0-9]+")
+
+#: plan's options, by TE's argument names; all are read as text and parsed by plan itself.
+OPTIONS = {
+    "--cu-seqlens-q": ("cu_seqlens_q", "0,0,3", "cumulative valid query lengths"),
+    "--cu-seqlens-kv": ("cu_seqlens_kv", "0,3,9", "cumulative valid key lengths"),
+    "--padded-q": ("cu_seqlens_q_padded", "0,4,12", "buffer offsets (default: the valid ones)"),
+    "--padded-kv": ("cu_seqlens_kv_padded", "0,4,12", "buffer offsets (default: the valid ones)"),
+    "--mask": ("attn_mask_type", "TYPE", "attn_mask_type (default padding_causal)"),
+    "--window": ("window_size", "L,R", "window_size (default -1,-1)"),
+    "--bottom-right-diagonal": ("bottom_right_diagonal", "true|false", "default: by mask name"),
+    "--rows-q": ("rows_q", "N", "rows of the dQ buffer (default: the last offset)"),
+    "--rows-kv": ("rows_kv", "N", "rows of the dK/dV buffers (default: the last offset)"),
+}
+
+__all__ = [
+    "Plan",
+    "PlanInput",
+    "add_parser",
+    "build_plan",
+    "format_plan",
+    "plan_from_json",
+    "plan_input",
+    "run",
+]
 
 #: plan lists every row; 2**22 rows per buffer already make about 100 MB of JSON.
 MAX_ROWS = 1 << 22
@@ -132,7 +162,7 @@ class Plan:
                 "row_codes": [c for c, _ in getattr(self, f"{side}_codes")],
                 "runs": [asdict(r) for r in self.runs(side)],
             }
-        return {**out, "consistent": self.consistent, "fallback": fallback_coverage()}
+        return {**out, "consistent": self.consistent, "fallback": list(_coverage())}
 
 
 def _span_text(lo: int, hi: int) -> str:
@@ -250,7 +280,7 @@ def build_plan(inp: PlanInput) -> Plan:
         None if getattr(inp, n) is None and i > 1 else _ints(getattr(inp, n), n)
         for i, n in enumerate(OFFSET_NAMES)
     ]
-    check_mask_arguments(inp.attn_mask_type, inp.window_size, inp.bottom_right_diagonal)
+    checks.mask_arguments(inp.attn_mask_type, inp.window_size, inp.bottom_right_diagonal)
     rows = []
     for side, name in enumerate(("rows_q", "rows_kv")):
         given = getattr(inp, name)
@@ -260,8 +290,8 @@ def build_plan(inp: PlanInput) -> Plan:
         rows.append(_rows(given, name))
     tensors = [None if o is None else torch.tensor(o, dtype=torch.int32) for o in offsets]
     sizes = dict(rows_q=rows[0], rows_kv=rows[1])
-    check_offsets(*tensors, **sizes)
-    check_values(*rows, *tensors)
+    checks.offsets(*tensors, **sizes)
+    checks.offset_values(*rows, *tensors)
     window = (-1, -1) if inp.window_size is None else tuple(map(int, inp.window_size))
     mask = dict(attn_mask_type=inp.attn_mask_type, bottom_right_diagonal=inp.bottom_right_diagonal)
     span = key_span(window_size=window, **mask)
@@ -275,7 +305,7 @@ def build_plan(inp: PlanInput) -> Plan:
     sequences = []
     for b in range(len(cu_q) - 1):
         lq, lk = cu_q[b + 1] - cu_q[b], cu_kv[b + 1] - cu_kv[b]
-        lo, hi = key_interval(lq, lk, span)
+        lo, hi = _key_interval(lq, lk, span)
         s = SequencePlan(b, lq, lk, (pad_q[b], pad_q[b + 1]), (pad_kv[b], pad_kv[b + 1]), (lo, hi))
         sequences.append(s)
         room_q = pad_q[b + 1] - pad_q[b]
@@ -341,7 +371,71 @@ def format_plan(plan: Plan) -> str:
             lines.append(f"  {where:<14} {'ZEROED' if run.zeroed else 'kept  '}  {run.reason}")
     if not plan.consistent:
         lines += ["", "ERROR: some rows are INCONSISTENT (see above): please report this batch."]
-    coverage = fallback_coverage()
+    coverage = _coverage()
     if coverage:
         lines += ["", "exact fallback (TE_GQA_FIX_GUARD=fallback):", *(f"  {c}" for c in coverage)]
     return "\n".join(lines)
+
+
+def _coverage() -> Sequence[str]:
+    from ..fallback import coverage
+
+    return coverage()
+
+
+def _key_interval(lq: int, lk: int, span: Any) -> Tuple[int, int]:
+    """:func:`te_gqa_fix.masks.key_bounds` for one sequence of ``lq`` queries and ``lk``
+    keys, as ints; ``(0, 0)`` where no key is attended."""
+    lo, hi = (int(x) for x in key_bounds(torch.tensor([lq]), torch.tensor([lk]), span))
+    return (lo, hi) if hi > lo else (0, 0)
+
+
+def add_parser(sub: Any) -> None:
+    """``plan``'s subcommand and options on ``sub`` (argparse's subparsers)."""
+    plan = sub.add_parser(
+        "plan",
+        help="show which dK/dV/dQ rows the post-pass zeroes for a batch, and why",
+        description="Which gradient rows te-gqa-fix's post-pass zeroes for a THD batch, with "
+        "the reason for each run of rows. Runs on CPU; Transformer Engine is not needed.",
+        epilog="exit codes:\n  0  done\n  1  internal inconsistency (please report)\n"
+        "  2  bad input\n\nJSON input (--file): an object with TE's names: "
+        + ", ".join(dest for dest, _, _ in OPTIONS.values()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    for flag, (dest, metavar, text) in OPTIONS.items():
+        plan.add_argument(flag, dest=dest, metavar=metavar, help=text)
+    plan.add_argument("--file", help="read the batch from a JSON file ('-' for stdin)")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def join_negative_values(argv: Sequence[str]) -> List[str]:
+    """``argv`` with a value that starts with "-" joined to its option (``--window -1,-1``
+    would read as an option otherwise)."""
+    joined: List[str] = []
+    for arg in argv:
+        if joined and joined[-1] in OPTIONS and arg.startswith("-"):
+            joined[-1] = f"{joined[-1]}={arg}"
+        else:
+            joined.append(arg)
+    return joined
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """The ``plan`` command: print the plan (text or JSON); return the exit code."""
+    flags = {dest: getattr(args, dest) for dest, _, _ in OPTIONS.values()}
+    if args.file == "":
+        parser.error("plan: --file: expected a path, or '-' for stdin; got an empty string")
+    if args.file is None and (args.cu_seqlens_q is None or args.cu_seqlens_kv is None):
+        parser.error("plan: give --cu-seqlens-q and --cu-seqlens-kv, or --file")
+    try:
+        base = None
+        if args.file is not None:
+            text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
+            base = plan_from_json(text)
+        plan = build_plan(plan_input(flags, base))
+    except (ValueError, OSError) as exc:
+        sys.stderr.write(f"te-gqa-fix plan: error: {exc}\n")
+        return 2
+    out = json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan)
+    sys.stdout.write(out + "\n")
+    return 0 if plan.consistent else 1

@@ -1,7 +1,8 @@
 """THD test batches, TE's fused attention called by argument name, the fp32 reference.
 
-Shared by the tests, benchmarks and ``te-gqa-fix doctor``, so that all of them call whichever
-TE release is installed the same way. TE is imported on demand.
+The test harness, shared by the CPU and GPU tests, the evidence scripts and the benchmarks,
+so that all of them call whichever TE release is installed the same way. Import it as
+``thd`` with the ``tests`` folder on ``sys.path``. TE is imported on demand.
 """
 
 from __future__ import annotations
@@ -12,14 +13,22 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .te_names import OFFSET_NAMES
+from te_gqa_fix._te import OFFSET_NAMES
+
+
+def te_function() -> Callable:
+    """TE's own ``fused_attn_bwd`` (below any wrapper: te-gqa-fix's or anyone's)."""
+    from te_gqa_fix._te import SYMBOL, fused_attn_module
+    from te_gqa_fix.wrapper import chain
+
+    return chain(getattr(fused_attn_module(), SYMBOL))[-1]
 
 
 def _parameters(fn: Callable):
-    from . import patch
+    import te_gqa_fix
 
-    if fn is patch.fused_attn_bwd:  # the drop-in: read the installed TE's signature
-        fn = patch.find_original()
+    if fn is te_gqa_fix.fused_attn_bwd:  # the drop-in: read the installed TE's signature
+        fn = te_function()
     return inspect.signature(inspect.unwrap(fn)).parameters
 
 
@@ -246,9 +255,7 @@ def te_backward(
 def te_call(batch: ThdBatch, **extra: Any) -> Dict[str, Any]:
     """TE's ``fused_attn_bwd`` arguments for the batch by name, defaults applied (as the
     wrapper binds them for the exact fallback)."""
-    from .patch import find_original
-
-    sig = inspect.signature(find_original())
+    sig = inspect.signature(te_function())
 
     def bind(*args: Any, **kwargs: Any) -> Dict[str, Any]:
         bound = sig.bind(*args, **kwargs)
@@ -267,7 +274,7 @@ def poison_allocator(value: float = 1000.0, numel: int = 1 << 28, device: str = 
 
 def attention_mask(lq: int, lk: int, batch: ThdBatch) -> torch.Tensor:
     """[lq, lk] bool, True where query i attends key j (the mask's definition)."""
-    from .masks import key_span
+    from te_gqa_fix.masks import key_span
 
     span = key_span(batch.mask, batch.window, batch.bottom_right_diagonal)
     i = torch.arange(lq).view(-1, 1)
@@ -325,8 +332,8 @@ GRADS = ("dq", "dk", "dv")
 
 
 def dead_masks(batch: ThdBatch, device: str = "cuda"):
-    """The batch's :func:`te_gqa_fix.postpass.dead_row_masks`."""
-    from .postpass import dead_row_masks
+    """The batch's :func:`te_gqa_fix.dead_row_masks`."""
+    from te_gqa_fix import dead_row_masks
 
     return dead_row_masks(
         **batch.offsets(device),

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
-from ._logging import log_once
+from .. import _kernel
+from .._logging import log_once
 
 __all__ = ["move_rows"]
 
@@ -23,83 +24,13 @@ __all__ = ["move_rows"]
 BLOCK_R = 32
 BLOCK_W = 256
 
-# Set by _build(); Triton resolves these globals when it compiles (or interprets) the kernel.
-tl: Any = None
-_seq_index_jit: Any = None
-_copy_rows_jit: Any = None
-_kernel: Any = None
-
-
-def _copy_rows(
-    src, dst, source, target, live, in_rows, dim, width, s_row, s_head, d_row, d_head,
-    BLOCK_W: tl.constexpr,
-):  # fmt: skip
-    """Row ``source[i]`` of ``src`` into row ``target[i]`` of ``dst`` where ``live[i]``, 0
-    elsewhere in ``in_rows``; a row is ``width`` elements of heads x ``dim``, unit last stride."""
-    for c in range(0, width, BLOCK_W):
-        cols = c + tl.arange(0, BLOCK_W)
-        in_cols = (cols < width)[None, :]
-        off = (cols // dim) * s_head + cols % dim
-        val = tl.load(
-            src + source[:, None] * s_row + off[None, :], mask=live[:, None] & in_cols, other=0.0
-        )
-        off = (cols // dim) * d_head + cols % dim
-        tl.store(dst + target[:, None] * d_row + off[None, :], val, mask=in_rows[:, None] & in_cols)
-
-
-def _move_rows_kernel(
-    src_a, src_b, dst_a, dst_b, cu_dst, pad_dst, cu_src, pad_src,
-    nseq, rows_dst, rows_src, dim_a, dim_b, width_a, width_b,
-    sa_row, sa_head, sb_row, sb_head, da_row, da_head, db_row, db_head,
-    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-):  # fmt: skip
-    """:func:`move_rows` for one block of destination rows, two tensors at once."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    # The last sequence b with pad_dst[b] <= row (-1 if none), among the nseq starts.
-    found = _seq_index_jit(pad_dst, rows, nseq - 1, SEARCH_STEPS)
-    seq = tl.maximum(found, 0)
-    pos = rows - tl.load(pad_dst + seq)
-    n = tl.minimum(
-        tl.load(cu_dst + seq + 1) - tl.load(cu_dst + seq),
-        tl.load(cu_src + seq + 1) - tl.load(cu_src + seq),
-    )
-    in_rows = rows < rows_dst
-    live = in_rows & (found >= 0) & (pos >= 0) & (pos < n) & (tl.zeros_like(rows) + rows_src > 0)
-    source = tl.minimum(tl.maximum(tl.load(pad_src + seq) + pos, 0), rows_src - 1).to(tl.int64)
-    target = rows.to(tl.int64)
-    _copy_rows_jit(
-        src_a, dst_a, source, target, live, in_rows, dim_a, width_a, sa_row, sa_head, da_row,
-        da_head, BLOCK_W,
-    )  # fmt: skip
-    _copy_rows_jit(
-        src_b, dst_b, source, target, live, in_rows, dim_b, width_b, sb_row, sb_head, db_row,
-        db_head, BLOCK_W,
-    )  # fmt: skip
-
-
-def _build() -> Any:
-    """Import Triton and return the kernel; raises ImportError without Triton."""
-    global tl, _seq_index_jit, _copy_rows_jit, _kernel
-    if _kernel is None:
-        import triton
-        import triton.language as triton_language
-
-        from .postpass import kernel as postpass_kernel
-
-        postpass_kernel.build()  # its binary search over offsets, shared
-        tl = triton_language
-        _seq_index_jit = postpass_kernel._seq_index_jit
-        _copy_rows_jit = triton.jit(_copy_rows)
-        _kernel = triton.jit(_move_rows_kernel)
-    return _kernel
-
 
 @functools.cache
 def _triton_available() -> bool:
     try:
-        return _build() is not None
+        return _kernel.build_row_moves() is not None
     except Exception as exc:  # ImportError, or a broken install raising anything else
-        log_once(("triton-moves",), logging.INFO, "te_gqa_fix: no Triton (%s); PyTorch row moves", exc)  # fmt: skip
+        log_once(("triton-moves",), logging.INFO, "no Triton (%s); PyTorch row moves", exc)  # fmt: skip
         return False
 
 
@@ -141,7 +72,7 @@ def move_rows(
     # The kernel reads the offsets at unit stride.
     cu_to, pad_to, cu_from, pad_from = (t.contiguous() for t in (cu_to, pad_to, cu_from, pad_from))
     grid = (max(1, -(-rows // BLOCK_R)),)
-    _build()[grid](
+    _kernel.build_row_moves()[grid](
         a, b, outs[0], outs[1], cu_to, pad_to, cu_from, pad_from,
         nseq, rows, a.shape[0], a.shape[2], b.shape[2], a.shape[1] * a.shape[2],
         b.shape[1] * b.shape[2], a.stride(0), a.stride(1), b.stride(0), b.stride(1),

@@ -1,7 +1,20 @@
-"""The post-pass as one Triton kernel: zero, in place, the THD rows whose true gradient is 0.
+"""te-gqa-fix's Triton kernels: the post-pass, and the exact fallback's row moves.
 
-Kept rows follow :func:`te_gqa_fix.postpass.dead_row_masks`; impossible offsets make it store
-nothing and set bits in a pinned host word (:mod:`.offset_errors`).
+The post-pass kernel zeroes, in place, the THD rows whose true gradient is 0.
+Kept rows follow :func:`te_gqa_fix.postpass.dead_row_masks`: ``_key_bounds`` restates
+:func:`te_gqa_fix.masks.key_bounds` and ``_read_offsets`` restates
+:func:`te_gqa_fix.checks.offset_faults` in ``tl`` (the tests hold each to its Python
+statement). Impossible offsets make every program store nothing and OR the offending
+arguments' bits (:data:`te_gqa_fix.checks.ARGUMENT_BITS`, passed in as constants) into a
+pinned host word that :mod:`te_gqa_fix.postpass` reads without a sync. Launches are
+prepared in :mod:`te_gqa_fix.postpass`.
+
+The row-move kernel copies rows of two THD tensors between two buffers' segmentations
+(:func:`te_gqa_fix.fallback._row_moves.move_rows` states the rule and launches it). Both
+kernels find a row's sequence with one binary search over the buffer offsets,
+``_seq_index``.
+
+Triton is imported by :func:`build` and :func:`build_row_moves` alone.
 """
 
 from __future__ import annotations
@@ -17,8 +30,10 @@ _zero_tiles_jit: Any = None
 _scan_offsets_jit: Any = None
 _read_offsets_jit: Any = None
 _reach_jit: Any = None
-_or_bits_jit: Any = None
+_or_jit: Any = None
 _kernel: Any = None
+_copy_rows_jit: Any = None
+_row_moves_kernel: Any = None
 
 
 def _key_bounds(
@@ -169,15 +184,17 @@ def _read_offsets(
     HAS_WR: tl.constexpr,
     SEARCH: tl.constexpr,
     HAS_Q: tl.constexpr,
+    CU_Q_BIT: tl.constexpr,
+    CU_KV_BIT: tl.constexpr,
     PAD_Q_BIT: tl.constexpr,
     PAD_KV_BIT: tl.constexpr,
     OFF_BLOCK: tl.constexpr,
 ):
     """Chunk ``c`` of the offsets, one lane each: ``(err, f_kv, e_kv, f_q, e_q)``.
 
-    ``err`` holds the :data:`te_gqa_fix.postpass.offset_errors.ARGUMENT_BITS` of impossible offsets
-    (without padded offsets, ``PAD_*_BIT`` name the valid argument); unless ``SEARCH``,
-    ``[f, e)`` are each sequence's kept rows (empty past the last one).
+    ``err`` holds the argument bits of impossible offsets (without padded offsets,
+    ``PAD_*_BIT`` name the valid argument); unless ``SEARCH``, ``[f, e)`` are each
+    sequence's kept rows (empty past the last one).
     """
     lanes = tl.arange(0, OFF_BLOCK)
     idx = c * OFF_BLOCK + lanes
@@ -198,9 +215,10 @@ def _read_offsets(
     # A segment shorter than its valid length: the two arguments disagree, name both.
     short_q = has_seg & (pq1 - pq0 < cq1 - cq0)
     short_k = has_seg & (pk1 - pk0 < ck1 - ck0)
-    err = tl.where(bad_cq, 1, 0) | tl.where(bad_ck, 2, 0)
+    err = tl.where(bad_cq, CU_Q_BIT, 0) | tl.where(bad_ck, CU_KV_BIT, 0)
     err = err | tl.where(bad_pq, PAD_Q_BIT, 0) | tl.where(bad_pk, PAD_KV_BIT, 0)
-    err = err | tl.where(short_q, PAD_Q_BIT | 1, 0) | tl.where(short_k, PAD_KV_BIT | 2, 0)
+    err = err | tl.where(short_q, PAD_Q_BIT | CU_Q_BIT, 0)
+    err = err | tl.where(short_k, PAD_KV_BIT | CU_KV_BIT, 0)
     # Past the buffer: the last buffer offset of each side (the lane idx == nseq).
     last = idx == nseq
     err = err | tl.where(last & (pk0 > rows_kv), PAD_KV_BIT, 0)
@@ -241,10 +259,9 @@ def _reach(first, end, row0, reach, BLOCK_T: tl.constexpr, SKIP_EMPTY: tl.conste
     return reach
 
 
-def _or_bits(err):
-    """OR of 4-bit error words over the lanes, bit by bit (old Tritons have no OR reduction)."""
-    bits = tl.max(err & 1, axis=0) | tl.max(err & 2, axis=0)
-    return bits | tl.max(err & 4, axis=0) | tl.max(err & 8, axis=0)
+def _or(a, b):
+    """The combine function of an OR reduction."""
+    return a | b
 
 
 def _scan_offsets(
@@ -266,6 +283,8 @@ def _scan_offsets(
     HAS_WR: tl.constexpr,
     SEARCH: tl.constexpr,
     HAS_Q: tl.constexpr,
+    CU_Q_BIT: tl.constexpr,
+    CU_KV_BIT: tl.constexpr,
     PAD_Q_BIT: tl.constexpr,
     PAD_KV_BIT: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -280,14 +299,14 @@ def _scan_offsets(
         err_c, f_kv, e_kv, f_q, e_q = _read_offsets_jit(
             cu_q_ptr, cu_kv_ptr, pad_q_ptr, pad_kv_ptr, c, nseq, rows_q, rows_kv, window_left,
             window_right, EXACT, TOP_LEFT, BOTTOM_RIGHT, HAS_WL, HAS_WR, SEARCH, HAS_Q,
-            PAD_Q_BIT, PAD_KV_BIT, OFF_BLOCK,
+            CU_Q_BIT, CU_KV_BIT, PAD_Q_BIT, PAD_KV_BIT, OFF_BLOCK,
         )  # fmt: skip
         err = err | err_c
         if not SEARCH:
             first = tl.where(is_kv, f_kv, f_q)
             end = tl.where(is_kv, e_kv, e_q)
             reach = _reach_jit(first, end, row0, reach, BLOCK_T, OFF_CHUNKS > 1)
-    return _or_bits_jit(err), reach
+    return tl.reduce(err, 0, _or_jit), reach
 
 
 def _postpass_kernel(
@@ -342,6 +361,8 @@ def _postpass_kernel(
     NT_K: tl.constexpr,
     NT_V: tl.constexpr,
     HAS_Q: tl.constexpr,
+    CU_Q_BIT: tl.constexpr,
+    CU_KV_BIT: tl.constexpr,
     PAD_Q_BIT: tl.constexpr,
     PAD_KV_BIT: tl.constexpr,
     OFF_BLOCK: tl.constexpr,
@@ -359,9 +380,9 @@ def _postpass_kernel(
         err0, f_kv, e_kv, f_q, e_q = _read_offsets_jit(
             cu_q_ptr, cu_kv_ptr, pad_q_ptr, pad_kv_ptr, 0, nseq, rows_q, rows_kv, window_left,
             window_right, EXACT, TOP_LEFT, BOTTOM_RIGHT, HAS_WL, HAS_WR, SEARCH, HAS_Q,
-            PAD_Q_BIT, PAD_KV_BIT, OFF_BLOCK,
+            CU_Q_BIT, CU_KV_BIT, PAD_Q_BIT, PAD_KV_BIT, OFF_BLOCK,
         )  # fmt: skip
-        bad = _or_bits_jit(err0)
+        bad = tl.reduce(err0, 0, _or_jit)
     for it in range(units_per_program):
         u = pid + it * n_prog
         if u < n_units:
@@ -382,10 +403,11 @@ def _postpass_kernel(
                 bad, reach = _scan_offsets_jit(
                     cu_q_ptr, cu_kv_ptr, pad_q_ptr, pad_kv_ptr, nseq, rows_q, rows_kv, row0,
                     is_kv, window_left, window_right, EXACT, TOP_LEFT, BOTTOM_RIGHT, HAS_WL,
-                    HAS_WR, SEARCH, HAS_Q, PAD_Q_BIT, PAD_KV_BIT, BLOCK_T, OFF_BLOCK, OFF_CHUNKS,
+                    HAS_WR, SEARCH, HAS_Q, CU_Q_BIT, CU_KV_BIT, PAD_Q_BIT, PAD_KV_BIT, BLOCK_T,
+                    OFF_BLOCK, OFF_CHUNKS,
                 )  # fmt: skip
             # Impossible offsets: every program zeroes nothing; unit 0 records which
-            # argument into the pinned host word err_ptr (te_gqa_fix.postpass.offset_errors).
+            # argument into the pinned host word err_ptr (te_gqa_fix.postpass's error record).
             if (bad != 0) & (u == 0):
                 tl.store(err_ptr, tl.load(err_ptr) | bad)
             rows = row0 + rel.to(tl.int64)
@@ -428,7 +450,7 @@ def _postpass_kernel(
 def build() -> Any:
     """Import Triton and return the post-pass kernel; raises ImportError without Triton."""
     global tl, _key_bounds_jit, _seq_index_jit, _search_kept_jit, _zero_tiles_jit
-    global _scan_offsets_jit, _read_offsets_jit, _reach_jit, _or_bits_jit, _kernel
+    global _scan_offsets_jit, _read_offsets_jit, _reach_jit, _or_jit, _kernel
     if _kernel is None:
         import triton
         import triton.language as triton_language
@@ -440,7 +462,66 @@ def build() -> Any:
         _zero_tiles_jit = triton.jit(_zero_tiles)
         _read_offsets_jit = triton.jit(_read_offsets)
         _reach_jit = triton.jit(_reach)
-        _or_bits_jit = triton.jit(_or_bits)
+        _or_jit = triton.jit(_or)
         _scan_offsets_jit = triton.jit(_scan_offsets)
         _kernel = triton.jit(_postpass_kernel)
     return _kernel
+
+
+def _copy_rows(
+    src, dst, source, target, live, in_rows, dim, width, s_row, s_head, d_row, d_head,
+    BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    """Row ``source[i]`` of ``src`` into row ``target[i]`` of ``dst`` where ``live[i]``, 0
+    elsewhere in ``in_rows``; a row is ``width`` elements of heads x ``dim``, unit last stride."""
+    for c in range(0, width, BLOCK_W):
+        cols = c + tl.arange(0, BLOCK_W)
+        in_cols = (cols < width)[None, :]
+        off = (cols // dim) * s_head + cols % dim
+        val = tl.load(
+            src + source[:, None] * s_row + off[None, :], mask=live[:, None] & in_cols, other=0.0
+        )
+        off = (cols // dim) * d_head + cols % dim
+        tl.store(dst + target[:, None] * d_row + off[None, :], val, mask=in_rows[:, None] & in_cols)
+
+
+def _move_rows_kernel(
+    src_a, src_b, dst_a, dst_b, cu_dst, pad_dst, cu_src, pad_src,
+    nseq, rows_dst, rows_src, dim_a, dim_b, width_a, width_b,
+    sa_row, sa_head, sb_row, sb_head, da_row, da_head, db_row, db_head,
+    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+):  # fmt: skip
+    """:func:`move_rows` for one block of destination rows, two tensors at once."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    # The last sequence b with pad_dst[b] <= row (-1 if none), among the nseq starts.
+    found = _seq_index_jit(pad_dst, rows, nseq - 1, SEARCH_STEPS)
+    seq = tl.maximum(found, 0)
+    pos = rows - tl.load(pad_dst + seq)
+    n = tl.minimum(
+        tl.load(cu_dst + seq + 1) - tl.load(cu_dst + seq),
+        tl.load(cu_src + seq + 1) - tl.load(cu_src + seq),
+    )
+    in_rows = rows < rows_dst
+    live = in_rows & (found >= 0) & (pos >= 0) & (pos < n) & (tl.zeros_like(rows) + rows_src > 0)
+    source = tl.minimum(tl.maximum(tl.load(pad_src + seq) + pos, 0), rows_src - 1).to(tl.int64)
+    target = rows.to(tl.int64)
+    _copy_rows_jit(
+        src_a, dst_a, source, target, live, in_rows, dim_a, width_a, sa_row, sa_head, da_row,
+        da_head, BLOCK_W,
+    )  # fmt: skip
+    _copy_rows_jit(
+        src_b, dst_b, source, target, live, in_rows, dim_b, width_b, sb_row, sb_head, db_row,
+        db_head, BLOCK_W,
+    )  # fmt: skip
+
+
+def build_row_moves() -> Any:
+    """Import Triton and return the row-move kernel; raises ImportError without Triton."""
+    global _copy_rows_jit, _row_moves_kernel
+    if _row_moves_kernel is None:
+        import triton
+
+        build()  # tl and the shared binary search
+        _copy_rows_jit = triton.jit(_copy_rows)
+        _row_moves_kernel = triton.jit(_move_rows_kernel)
+    return _row_moves_kernel

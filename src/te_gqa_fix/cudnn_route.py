@@ -1,8 +1,13 @@
-"""cuDNN builds on disk and in this process, and loading a fixed one before TE does.
+"""The cuDNN route: find, load and verify a cuDNN build measured right, before TE loads one.
 
-The first ``RTLD_GLOBAL`` copy of a symbol wins, so a fixed (>= 9.18) build loaded before
-torch and TE is the one TE runs. Standard library only: the start-up hook uses this module
-before torch maps any cuDNN.
+The first ``RTLD_GLOBAL`` copy of a symbol wins, so a build loaded before torch and TE is
+the one TE runs. ``auto`` picks among this environment's cuDNN wheels by the measured table
+(:mod:`te_gqa_fix.rules`): the newest installed build measured right; only where none is
+installed, the newest unmeasured build at or above 9.18, with a WARNING (the post-pass stays
+on for it, as the rule keeps it on for every unmeasured build); never a build measured wrong,
+nor one below 9.18. ``strict`` loads only what it can vouch for: a build measured right, or
+one the user named by its folder. An optional layer, standard library only: the start-up
+hook uses it before torch maps any cuDNN.
 """
 
 from __future__ import annotations
@@ -16,26 +21,25 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
-from .._logging import logger as _log
-from ..settings import parse, shown
+from . import rules
+from ._logging import logger as _log
+from ._te import te_cudnn_version
+from .errors import (
+    CudnnAlreadyLoaded,
+    CudnnLoadError,
+    CudnnRefused,
+    InputError,
+    InputTypeError,
+    SetupError,
+)
+from .rules import CUDNN_FIXED
+from .settings import parse, shown
 
 #: What users call; the rest is shared with doctor and the start-up hook.
-__all__ = [
-    "CUDNN_FIXED",
-    "ENV_CUDNN",
-    "CudnnAlreadyLoaded",
-    "CudnnRefused",
-    "choose_fixed",
-    "find_builds",
-    "route_state",
-    "te_cudnn_version",
-    "use_fixed_cudnn",
-]
+__all__ = ["choose", "find_builds", "route_state", "use_fixed_cudnn"]
 
-#: The first cuDNN that initialises the GQA workspace on Hopper (upstream, TE #2186).
-CUDNN_FIXED: Tuple[int, int, int] = (9, 18, 0)
-#: The same, as messages write it.
-FIXED = f"{CUDNN_FIXED[0]}.{CUDNN_FIXED[1]}"
+#: The first fixed build, as messages write it.
+FIXED = rules.version_text(CUDNN_FIXED[:2])
 ENV_CUDNN = "TE_GQA_FIX_CUDNN"
 
 #: Wheel layouts below a site folder, in the order TE's own loader searches them.
@@ -92,7 +96,20 @@ class CudnnBuild:
 
     @property
     def fixed(self) -> bool:
+        """At or above 9.18 within cuDNN 9: the stale workspace is fixed upstream."""
         return self.version is not None and CUDNN_FIXED <= self.version < (10,)
+
+    @property
+    def measured(self) -> str:
+        """What the measured table says of this build: ``right`` (its own measurement, no
+        stale rows, no zero-length trouble), ``wrong`` (its own measurement says otherwise),
+        ``unmeasured``, or ``unknown`` (no version)."""
+        if self.version is None:
+            return "unknown"
+        m, own = rules.measurement_for(self.version)
+        if not own:
+            return "unmeasured"
+        return "wrong" if m.stale_rows or m.zero_length_wrong else "right"
 
     @property
     def version_str(self) -> str:
@@ -179,28 +196,28 @@ def _one_per_folder(items: Iterable[Any], folder=lambda x: x) -> List[Any]:
 
 
 def _site_folders(search_path: Any) -> Optional[List[str]]:
-    """``search_path`` as a list of folder names (None stays None); a ``TypeError`` naming
+    """``search_path`` as a list of folder names (None stays None); an InputTypeError naming
     ``search_path`` for a single str or path (whose characters would read as folders) or
     for an item that is not a path."""
     if search_path is None:
         return None
     what = "a list of site folders (str or os.PathLike)"
     if isinstance(search_path, (str, bytes, os.PathLike)):
-        raise TypeError(
-            f"te_gqa_fix: search_path: expected {what}, got the single {shown(search_path)}: "
+        raise InputTypeError(
+            f"search_path: expected {what}, got the single {shown(search_path)}: "
             f"wrap one folder in a list ([{shown(search_path)}])"
         )
     try:
         items = list(search_path)
     except TypeError:
-        raise TypeError(
-            f"te_gqa_fix: search_path: expected {what}, got {type(search_path).__name__}"
+        raise InputTypeError(
+            f"search_path: expected {what}, got {type(search_path).__name__}"
         ) from None
     folders = [os.fspath(d) if isinstance(d, os.PathLike) else d for d in items]
     bad = next((i for i, d in enumerate(folders) if not isinstance(d, str)), None)
     if bad is not None:
-        raise TypeError(
-            f"te_gqa_fix: search_path[{bad}]: expected a folder (str or os.PathLike), got "
+        raise InputTypeError(
+            f"search_path[{bad}]: expected a folder (str or os.PathLike), got "
             f"{type(items[bad]).__name__} {shown(items[bad])}"
         )
     return folders
@@ -256,14 +273,14 @@ def find_builds() -> List[CudnnBuild]:
     return _one_per_folder([*find_wheel_builds(), *find_system_builds()], lambda b: b.lib_dir)
 
 
-def choose_fixed(builds: Sequence[CudnnBuild]) -> Optional[CudnnBuild]:
-    """The newest fixed (>= 9.18) cuDNN 9 build among ``builds``; None if there is none."""
-    return max((b for b in builds if b.fixed), key=lambda b: b.version or (), default=None)
-
-
-def pip_hint(minimum: str = FIXED) -> str:
-    """The ``pip install`` that brings a cuDNN of at least ``minimum`` (default: a fixed one)."""
-    return f"pip install 'nvidia-cudnn-cu12>={minimum}' (CUDA 12) or 'nvidia-cudnn-cu13>={minimum}' (CUDA 13)"
+def choose(builds: Sequence[CudnnBuild]) -> Optional[CudnnBuild]:
+    """The build ``auto`` loads among ``builds``: the newest measured right; where there is
+    none, the newest fixed (>= 9.18, cuDNN 9) build that was not measured; never one
+    measured wrong. None if there is no such build."""
+    newest = lambda b: b.version or ()  # noqa: E731
+    right = [b for b in builds if b.fixed and b.measured == "right"]
+    unmeasured = [b for b in builds if b.fixed and b.measured == "unmeasured"]
+    return max(right or unmeasured, key=newest, default=None)
 
 
 @dataclass(frozen=True)
@@ -336,17 +353,10 @@ def mapped_cudnn_libraries(resolve: bool = True) -> Optional[List[CudnnLibrary]]
     return resolve_versions(libs) if resolve else libs
 
 
-class CudnnAlreadyLoaded(RuntimeError):
-    """A cuDNN is already mapped into the process: loading another now would mix builds."""
-
-
-class CudnnRefused(LookupError):
-    """The route will not load (or keep) a build: it is not a cuDNN, not a fixed cuDNN 9
-    (9.18 <= version < 10), or, under strict, its version cannot be read without loading."""
-
-
 #: What the route did in this process (doctor and tests read it through route_state).
-_START = dict(setting=None, strict=False, chosen=None, error=None, te_cudnn=None, verified=None)
+_START = dict(
+    setting=None, strict=False, chosen=None, error=None, warning=None, te_cudnn=None, verified=None
+)
 _route: Dict[str, Any] = {**_START, "loaded": (), "seen": ()}
 
 
@@ -358,6 +368,7 @@ def route_state() -> Dict[str, object]:
         **_route,
         "chosen": chosen and chosen.lib_dir,
         "chosen_version": chosen and chosen.version_str,
+        "chosen_measured": chosen and chosen.measured,
     }
 
 
@@ -385,15 +396,18 @@ def parse_setting(value: Optional[str]) -> Tuple[Optional[str], bool]:
 
 
 def load_build(build: CudnnBuild) -> Tuple[str, ...]:
-    """Load ``build`` with ``RTLD_GLOBAL``; return the files loaded. Raises
-    :class:`CudnnAlreadyLoaded` when another cuDNN is mapped, ``FileNotFoundError`` without
-    ``libcudnn.so.9``, ``OSError`` naming a file that cannot be loaded."""
+    """Load ``build`` with ``RTLD_GLOBAL``; return the files loaded.
+
+    Raises:
+        CudnnAlreadyLoaded: another cuDNN is mapped into the process.
+        CudnnLoadError: no ``libcudnn.so.9`` in the folder, or a file that cannot be loaded.
+    """
     want = os.path.realpath(build.lib_dir)
     libs = mapped_cudnn_libraries(resolve=False) or []
     foreign = [m.path for m in libs if os.path.dirname(os.path.realpath(m.path)) != want]
     if foreign:
         raise CudnnAlreadyLoaded(
-            f"te_gqa_fix: a cuDNN is already loaded in this process ({', '.join(foreign[:3])}"
+            f"a cuDNN is already loaded in this process ({', '.join(foreign[:3])}"
             f"{' ...' if len(foreign) > 3 else ''}), so cuDNN {build.version_str} from "
             f"{build.lib_dir} can no longer take effect: load it before torch and Transformer "
             f"Engine are imported (first thing in the program, or set {ENV_CUDNN}=auto in the "
@@ -401,21 +415,21 @@ def load_build(build: CudnnBuild) -> Tuple[str, ...]:
         )
     files = build.libraries()
     if not any(os.path.basename(f).startswith("libcudnn.so") for f in files):
-        raise FileNotFoundError(f"te_gqa_fix: no libcudnn.so.9 in {build.lib_dir}")
+        raise CudnnLoadError(f"no libcudnn.so.9 in {build.lib_dir}")
     for path in files:
         if _elf_symbols(path, ()) is None:
-            raise OSError(
-                f"te_gqa_fix: {path} is not an ELF shared library; nothing of cuDNN "
-                f"{build.version_str} in {build.lib_dir} was loaded: fix or remove that folder"
+            raise CudnnLoadError(
+                f"{path} is not an ELF shared library; nothing of cuDNN {build.version_str} in "
+                f"{build.lib_dir} was loaded: fix or remove that folder"
             )
     for i, path in enumerate(files):
         try:
             ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         except OSError as exc:
-            raise OSError(
-                f"te_gqa_fix: could not load {path} ({exc}); {i} of {len(files)} files of "
-                f"cuDNN {build.version_str} are loaded, so this process would mix builds: "
-                "fix or remove that folder, or unset the setting"
+            raise CudnnLoadError(
+                f"could not load {path} ({exc}); {i} of {len(files)} files of cuDNN "
+                f"{build.version_str} are loaded, so this process would mix builds: fix or "
+                "remove that folder, or unset the setting"
             ) from exc
     return tuple(files)
 
@@ -449,24 +463,24 @@ def _elf_symbols(path: str, names: Sequence[bytes]) -> Optional[set]:
         return None
 
 
-def _resolve_target(target: str, search_path: Optional[Sequence[str]]) -> CudnnBuild:
+def _resolve_target(target: str, search_path: Optional[Sequence[str]], source: str) -> CudnnBuild:
     if target == "auto":
         builds = find_wheel_builds(search_path)
-        _route["seen"] = tuple(f"{b.version_str} ({b.lib_dir})" for b in builds)
-        chosen = choose_fixed(builds)
+        _route["seen"] = tuple(f"{b.version_str} {b.measured} ({b.lib_dir})" for b in builds)
+        chosen = choose(builds)
         if chosen is None:
-            raise LookupError(
-                f"te_gqa_fix: {ENV_CUDNN}=auto found no cuDNN >= {FIXED} in this environment's "
-                f"cuDNN wheels (seen: {', '.join(_route['seen']) or 'none'}); {pip_hint()} "
-                "provides one"
+            want = rules.newest_right().cudnn
+            raise CudnnRefused(
+                f"{source} found no cuDNN wheel it may load in this environment (a build "
+                f"measured right, else an unmeasured one >= {FIXED}; seen: "
+                f"{', '.join(_route['seen']) or 'none'}); {rules.pip_hint(want)} provides one"
             )
         return chosen
     subs = [os.path.join(target, s) for s in ("lib", "lib64", "lib/x86_64-linux-gnu")]
     lib_dir = next((d for d in (target, *subs) if _has_cudnn(d)), None)
     if lib_dir is None:
-        raise FileNotFoundError(
-            f"te_gqa_fix: {ENV_CUDNN}={shown(target)}: expected a folder holding libcudnn.so.9 "
-            "(or its lib/ or lib64/), found none"
+        raise CudnnLoadError(
+            f"{source}: expected a folder holding libcudnn.so.9 (or its lib/ or lib64/), found none"
         )
     real = os.path.realpath(lib_dir)
     site_dir, nvidia, _ = real.rpartition(f"{os.sep}nvidia{os.sep}")  # a wheel's own folder
@@ -475,56 +489,78 @@ def _resolve_target(target: str, search_path: Optional[Sequence[str]]) -> CudnnB
     return next(known, None) or _local_build(lib_dir, "given")
 
 
-def _not_fixed(build: CudnnBuild) -> str:
-    return (
-        f"te_gqa_fix: cuDNN {build.version_str} in {build.lib_dir} (version from its "
-        f"{build.how}) is not a fixed build: the route loads cuDNN {FIXED} or newer within cuDNN 9"
-    )
+def _refusal(build: CudnnBuild, source: str) -> Optional[str]:
+    """Why the route must not load ``build`` whatever strict says, or None."""
+    if build.version is None:
+        return None
+    if not build.fixed:
+        return (
+            f"cuDNN {build.version_str} in {build.lib_dir} (version from its {build.how}) is "
+            f"below {FIXED} or not cuDNN 9: {source} loads only builds with the upstream fix"
+        )
+    if build.measured == "wrong":
+        return (
+            f"cuDNN {build.version_str} in {build.lib_dir} was measured wrong "
+            "(docs/validation.md): the route never loads it"
+        )
+    return None
 
 
-def _check_before_loading(build: CudnnBuild, strict: bool) -> None:
+def _check_before_loading(build: CudnnBuild, strict: bool, named: bool, source: str) -> None:
     """Refuse, before anything is loaded, a build known to be wrong (always) or, when
-    ``strict``, one whose version cannot be read without loading it."""
-    if build.version is not None and not build.fixed:
-        raise CudnnRefused(f"{_not_fixed(build)}; nothing was loaded")
+    ``strict``, one whose version cannot be read without loading it, or one not measured
+    that the user did not name by its folder."""
+    why = _refusal(build, source)
+    if why is not None:
+        raise CudnnRefused(f"{why}; nothing was loaded")
     main = next((f for f in build.libraries() if os.path.basename(f).startswith("libcudnn.so")), "")
     symbols = _elf_symbols(main, (b"cudnnGetVersion",)) if main else None
     if symbols is not None and not symbols:
         raise CudnnRefused(
-            f"te_gqa_fix: {main} is not a cuDNN (it exports no cudnnGetVersion); nothing was "
-            f"loaded: point the setting at a cuDNN {FIXED} or newer"
+            f"{main} is not a cuDNN (it exports no cudnnGetVersion); nothing was loaded: "
+            f"point {source} at a cuDNN {FIXED} or newer"
         )
-    if build.version is None and strict:
+    if not strict:
+        return
+    if build.version is None:
         raise CudnnRefused(
-            f"te_gqa_fix: the version of the cuDNN in {build.lib_dir} can only be learned by "
+            f"{source}: the version of the cuDNN in {build.lib_dir} can only be learned by "
             "loading it (no version in its file names, no include/cudnn_version.h, no wheel "
-            f"metadata), and strict loads only a build known to be {FIXED} or newer; nothing was "
-            "loaded: name a folder whose version can be read, or pass strict=False (a "
-            f"{ENV_CUDNN} folder without 'strict:') to load it and check cudnnGetVersion"
+            f"metadata), and strict loads only a build whose version it knows; nothing was "
+            "loaded: name a folder whose version can be read, or drop strict to load it and "
+            "check cudnnGetVersion"
+        )
+    if build.measured == "unmeasured" and not named:
+        raise CudnnRefused(
+            f"{source}: cuDNN {build.version_str} in {build.lib_dir} was not measured, and "
+            "strict loads an unmeasured build only from a folder you name (strict:FOLDER); "
+            f"nothing was loaded. {rules.pip_hint(rules.newest_right().cudnn)} installs one "
+            "measured right"
         )
 
 
-def _check_loaded(build: CudnnBuild, files: Sequence[str]) -> CudnnBuild:
+def _check_loaded(build: CudnnBuild, files: Sequence[str], source: str) -> CudnnBuild:
     """``build`` with the version the loaded ``libcudnn.so.9`` reports; ``CudnnRefused``
     (saying it is loaded now) when that is unknown, differs from what was read on disk, or
-    is not fixed."""
+    may not be loaded."""
     found = version_tuple(_ctypes_version(files[-1]))  # (major, minor, patch) or None
     loaded = f"it is loaded in this process now, so start a new process without {ENV_CUDNN}"
     if found is None:
-        raise CudnnRefused(f"te_gqa_fix: cudnnGetVersion of {files[-1]} failed; {loaded}")
+        raise CudnnRefused(f"cudnnGetVersion of {files[-1]} failed; {loaded}")
     if build.version is not None and found != build.version:
         raise CudnnRefused(
-            f"te_gqa_fix: {files[-1]} reports cuDNN {version_str(found)}, not the "
-            f"{build.version_str} its {build.how} names; {loaded}"
+            f"{files[-1]} reports cuDNN {version_str(found)}, not the {build.version_str} "
+            f"its {build.how} names; {loaded}"
         )
     build = replace(build, version=found, how=build.how if build.version else "cudnnGetVersion")
-    if not build.fixed:
-        raise CudnnRefused(f"{_not_fixed(build)} (learned by loading it); {loaded}")
+    why = _refusal(build, source)
+    if why is not None:
+        raise CudnnRefused(f"{why} (learned by loading it); {loaded}")
     return build
 
 
 def _where(where: Any) -> str:
-    """``use_fixed_cudnn``'s ``where`` as ``"auto"`` or a folder; ``TypeError``/``ValueError``
+    """``use_fixed_cudnn``'s ``where`` as ``"auto"`` or a folder; InputTypeError/InputError
     naming ``where`` otherwise. A str is ``auto`` in any case (as the setting); a path object
     is always a folder."""
     what = "'auto' or a folder path (str or os.PathLike)"
@@ -533,23 +569,59 @@ def _where(where: Any) -> str:
         if isinstance(folder, str) and folder:
             return folder
     if not isinstance(where, str):
-        raise TypeError(
-            f"te_gqa_fix: use_fixed_cudnn: where: expected {what}, got "
-            f"{type(where).__name__} {shown(where)}"
+        raise InputTypeError(
+            f"use_fixed_cudnn: where: expected {what}, got {type(where).__name__} {shown(where)}"
         )
     key = where.strip().lower()
     if key == "auto":
         return "auto"
     if key == "strict" or key.startswith("strict:"):
         folder = where.strip()[len("strict:") :] or "auto"
-        raise ValueError(
-            f"te_gqa_fix: use_fixed_cudnn: where={shown(where)}: 'strict' and 'strict:FOLDER' "
-            f"are {ENV_CUDNN}'s spellings; here strictness is the strict= keyword (default "
+        raise InputError(
+            f"use_fixed_cudnn: where={shown(where)}: 'strict' and 'strict:FOLDER' are "
+            f"{ENV_CUDNN}'s spellings; here strictness is the strict= keyword (default "
             f"True): call use_fixed_cudnn({shown(folder)}, strict=True)"
         )
     if not key:
-        raise ValueError(f"te_gqa_fix: use_fixed_cudnn: where: expected {what}, got {shown(where)}")
+        raise InputError(f"use_fixed_cudnn: where: expected {what}, got {shown(where)}")
     return where
+
+
+def route(
+    target: str, strict: bool, search_path: Optional[Sequence[str]], source: str
+) -> Optional[CudnnBuild]:
+    """Find, check and load the build ``target`` names (``"auto"`` or a folder).
+
+    Args:
+        target, strict, search_path: as :func:`use_fixed_cudnn` takes them, checked.
+        source: how the user asked, as messages name it (``TE_GQA_FIX_CUDNN=strict``,
+            ``use_fixed_cudnn('auto')``).
+
+    Returns:
+        The build loaded, or None where it failed and ``strict`` is False (logged).
+    """
+    _route.update(setting=source, strict=strict, error=None, warning=None)
+    try:
+        build = _route["chosen"] = _resolve_target(target, search_path, source)
+        _check_before_loading(build, strict, target != "auto", source)
+        files = _route["loaded"] = load_build(build)
+        build = _route["chosen"] = _check_loaded(build, files, source)
+    except (LookupError, OSError, CudnnAlreadyLoaded) as exc:
+        _route["error"] = str(exc)
+        if strict:
+            raise
+        _log.warning("%s; Transformer Engine keeps the cuDNN it finds itself", exc)
+        return None
+    if build.measured != "right":
+        _route["warning"] = (
+            f"{source} loaded cuDNN {build.version_str} from {build.lib_dir}, a build that was "
+            "not measured: the post-pass stays on for it, and rows that receive attention are "
+            "trusted as on the newest measured build below it; `te-gqa-fix doctor` says more"
+        )
+        _log.warning("%s", _route["warning"])
+    else:
+        _log.info("loaded cuDNN %s from %s (%s)", build.version_str, build.lib_dir, source)
+    return build
 
 
 def use_fixed_cudnn(
@@ -558,16 +630,20 @@ def use_fixed_cudnn(
     strict: bool = True,
     search_path: Optional[Sequence[str]] = None,
 ) -> Optional[CudnnBuild]:
-    """Make Transformer Engine run a fixed cuDNN: call first thing, before torch or TE.
+    """Make Transformer Engine run a cuDNN measured right: call first thing, before torch
+    or TE are imported.
 
     Args:
-        where: ``"auto"`` (any case: the newest cuDNN >= 9.18 among this environment's
-            wheels) or a folder (str or ``os.PathLike``); ``"strict:FOLDER"`` is refused
-            with a ``ValueError`` (strictness is ``strict=``).
-        strict: raise on failure (``LookupError`` such as :class:`CudnnRefused`, ``OSError``,
-            :class:`CudnnAlreadyLoaded`), and load only a build whose version is known to be
-            fixed before it is loaded; otherwise log the failure at WARNING and return None.
-            Either way a build known not to be a fixed cuDNN 9 is never loaded.
+        where: ``"auto"`` (any case: among this environment's cuDNN wheels, the newest
+            build measured right; where none is installed, the newest unmeasured build at
+            or above 9.18, with a WARNING) or a folder (str or ``os.PathLike``).
+            ``"strict:FOLDER"`` is refused with an InputError (strictness is ``strict=``).
+        strict: raise on failure (:class:`~te_gqa_fix.errors.CudnnRefused`,
+            :class:`~te_gqa_fix.errors.CudnnLoadError`,
+            :class:`~te_gqa_fix.errors.CudnnAlreadyLoaded`), and load only a build whose
+            version is known before loading and that was measured right, or was named by
+            its folder; otherwise log the failure at WARNING and return None. Either way a
+            build below 9.18, or measured wrong, is never loaded.
         search_path: site folders for ``"auto"`` (default: ``sys.path``); a list, never a
             single str.
 
@@ -575,48 +651,18 @@ def use_fixed_cudnn(
         The build loaded (``RTLD_GLOBAL``, so TE binds to it whatever it loads later).
 
     Raises:
-        TypeError, ValueError: bad arguments, whatever ``strict`` says, before anything else.
+        InputTypeError, InputError: bad arguments, whatever ``strict`` says, first.
     """
     target = _where(where)
     if not isinstance(strict, bool):
-        raise TypeError(
-            f"te_gqa_fix: use_fixed_cudnn: strict: expected a bool, got {shown(strict)}"
-        )
+        raise InputTypeError(f"use_fixed_cudnn: strict: expected a bool, got {shown(strict)}")
     folders = _site_folders(search_path)
     if folders is not None and target != "auto":
-        raise ValueError(
-            "te_gqa_fix: use_fixed_cudnn: search_path is only read for where='auto', "
-            f"not for the folder {shown(target)}"
+        raise InputError(
+            "use_fixed_cudnn: search_path is only read for where='auto', not for the folder "
+            f"{shown(target)}"
         )
-    _route.update(setting=target, strict=strict, error=None)
-    try:
-        build = _route["chosen"] = _resolve_target(target, folders)
-        _check_before_loading(build, strict)
-        files = _route["loaded"] = load_build(build)
-        build = _route["chosen"] = _check_loaded(build, files)
-    except (LookupError, OSError, CudnnAlreadyLoaded) as exc:
-        _route["error"] = str(exc)
-        if strict:
-            raise
-        _log.warning("%s; Transformer Engine keeps the cuDNN it finds itself", exc)
-        return None
-    _log.info(
-        f"te_gqa_fix: loaded cuDNN {build.version_str} from {build.lib_dir} ({ENV_CUDNN}={target})"
-    )
-    return build
-
-
-def te_cudnn_version() -> Optional[Tuple[int, int, int]]:
-    """The cuDNN Transformer Engine runs, from TE itself; None when TE cannot say. Never
-    imports ``transformer_engine.pytorch`` (that import is what picks TE's cuDNN)."""
-    if "transformer_engine.pytorch" not in sys.modules:
-        return None
-    try:
-        from transformer_engine.pytorch.utils import get_cudnn_version
-
-        return tuple(int(x) for x in get_cudnn_version())  # type: ignore[return-value]
-    except Exception:
-        return None
+    return route(target, strict, folders, f"use_fixed_cudnn({shown(target)})")
 
 
 def verify_te_cudnn() -> Optional[bool]:
@@ -624,22 +670,22 @@ def verify_te_cudnn() -> Optional[bool]:
 
     Returns:
         True/False, or None when the route chose nothing. A mismatch, or a failed route,
-        raises ImportError when the route is strict; a mismatch is logged otherwise.
+        raises SetupError when the route is strict; a mismatch is logged otherwise.
     """
     strict, chosen = _route["strict"], _route["chosen"]
     if chosen is None or not _route["loaded"]:
         if strict and _route["error"]:  # a strict route that failed must never go on silently
-            raise ImportError(f"te_gqa_fix: {ENV_CUDNN} (strict) failed: {_route['error']}")
+            raise SetupError(f"{_route['setting']} failed: {_route['error']}")
         return None
     te = te_cudnn_version()
     _route["te_cudnn"] = version_str(te)
     ok = _route["verified"] = te is not None and te == chosen.version
     if not ok:
         msg = (
-            f"te_gqa_fix: {ENV_CUDNN} loaded cuDNN {chosen.version_str} from {chosen.lib_dir}, "
+            f"{_route['setting']} loaded cuDNN {chosen.version_str} from {chosen.lib_dir}, "
             f"but Transformer Engine runs cuDNN {version_str(te) or 'unknown'}"
         )
         if strict:
-            raise ImportError(msg)
-        _log.warning("%s; the post-pass still guards head dims up to 128", msg)
+            raise SetupError(msg)
+        _log.warning("%s; the post-pass still guards what it can", msg)
     return ok
