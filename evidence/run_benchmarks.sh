@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything docs/performance.md shows, on the GPU machine (repository root, GPU kit staged;
-# the te-gqa-fix wheel in .whl-mcore/ for the start-up timing, as tests/gpu/builds.sh says):
+# the te-gqa-fix wheel in .whl-mcore/ for the start-up timing, as evidence/builds.sh says):
 # bench_postpass.py and bench_step.py on each build (system: cuDNN 9.14, affected; pip: 9.19,
 # fixed), fallback_cost.py on pip (TE's backward on the fixed cuDNN), then startup_cudnn.py.
 # About 6 minutes on one H200.
@@ -10,8 +10,8 @@
 # Brings back $OUT/performance.json (commit as docs/data/performance.json) and
 # $OUT/performance.md (the page it renders to: docs/performance.md).
 set -uo pipefail
-# shellcheck source=tests/gpu/builds.sh
-source tests/gpu/builds.sh
+# shellcheck source=evidence/builds.sh
+source evidence/builds.sh
 out=${OUT:-/tmp/te-gqa-fix-bench}
 raw=/tmp/te-gqa-fix-bench-raw
 mkdir -p "$out" "$raw"
@@ -48,7 +48,7 @@ if [[ $parts == *" startup "* ]]; then
     tail -n 3 "$raw/startup.log"
   )
 fi
-python3 benchmarks/bench_report.py collect "$raw"/*.json --command "${COMMAND:-bash benchmarks/run.sh}" \
+python3 evidence/performance_report.py collect "$raw"/*.json --command "${COMMAND:-bash evidence/run_benchmarks.sh}" \
   -o "$out/performance.json"
-python3 benchmarks/bench_report.py render "$out/performance.json" -o "$out/performance.md"
+python3 evidence/performance_report.py render "$out/performance.json" -o "$out/performance.md"
 echo "data file $out/performance.json, page $out/performance.md"

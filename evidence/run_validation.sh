@@ -6,8 +6,8 @@
 # into docs/data/validation.jsonl.   Knobs: BUILDS, PYTEST_TIMEOUT, PYTEST_ARGS.
 # The builds run side by side on the one GPU (each about 6 minutes on a cold Triton cache).
 set -uo pipefail
-# shellcheck source=tests/gpu/builds.sh
-source tests/gpu/builds.sh
+# shellcheck source=evidence/builds.sh
+source evidence/builds.sh
 res=${RES:-/tmp/te-gqa-fix-validation}
 mkdir -p "$res"
 builds=${BUILDS:-system pip route}

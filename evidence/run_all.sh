@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything docs/validation.md shows, on the GPU machine (repository root, GPU kit staged;
 # 2 GPUs for the context-parallel part, 2 GPUs and .whl-mcore/ for Megatron-Core):
-#   validation  the GPU tests and doctor on each build (run_validation.sh)
+#   validation  the GPU tests and doctor on each build (evidence/run_validation.sh)
 #   cp          tests/multigpu/cp_check.py under torchrun, each build
 #   examples    examples/seed_repro.py, drop_in.py (and context_parallel.py on 2 GPUs)
 #   megatron    tests/multigpu/megatron/run.sh
@@ -12,8 +12,8 @@
 # Brings back $OUT/validation.jsonl (commit as docs/data/validation.jsonl) and
 # $OUT/validation.md (the page it renders to: docs/validation.md).
 set -uo pipefail
-# shellcheck source=tests/gpu/builds.sh
-source tests/gpu/builds.sh
+# shellcheck source=evidence/builds.sh
+source evidence/builds.sh
 out=${OUT:-/tmp/te-gqa-fix-out}
 res=${RES:-/tmp/te-gqa-fix-validation}
 extra=/tmp/te-gqa-fix-extra
@@ -22,7 +22,7 @@ mkdir -p "$out" "$extra"
 parts=" ${PARTS:-validation cp examples} "
 builds=${BUILDS:-system pip route}
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-[[ $parts == *" validation "* ]] && RES=$res BUILDS=$builds bash tests/gpu/run_validation.sh
+[[ $parts == *" validation "* ]] && RES=$res BUILDS=$builds bash evidence/run_validation.sh
 for build in $builds; do
   (
     use_build "$build"
@@ -48,12 +48,12 @@ if [[ $parts == *" megatron "* ]]; then
   RES=$mres OUT=$out bash tests/multigpu/megatron/run.sh
   echo "megatron: exit $?"
 fi
-command="bash tests/gpu/run_all.sh"  # with the knobs this run was given
+command="bash evidence/run_all.sh"  # with the knobs this run was given
 for knob in CP_ARGS PYTEST_ARGS PYTEST_TIMEOUT BUILDS PARTS; do
   [ -n "${!knob:-}" ] && command="$knob=${!knob@Q} $command"
 done
-python3 tests/gpu/report.py collect --tests "$res" --builds "$(echo $builds | tr ' ' ',')" \
+python3 evidence/validation_report.py collect --tests "$res" --builds "$(echo $builds | tr ' ' ',')" \
   --extra "$extra" --megatron "$mres" --command "${COMMAND:-$command}" \
   -o "$out/validation.jsonl"
-python3 tests/gpu/report.py render "$out/validation.jsonl" -o "$out/validation.md"
+python3 evidence/validation_report.py render "$out/validation.jsonl" -o "$out/validation.md"
 echo "data file $out/validation.jsonl, page $out/validation.md"

@@ -1,4 +1,4 @@
-"""docs/validation.md is what tests/gpu/report.py renders from docs/data/validation.jsonl,
+"""docs/validation.md is what evidence/validation_report.py renders from docs/data/validation.jsonl,
 and ``collect`` keeps what ``render`` needs (CPU only)."""
 
 from __future__ import annotations
@@ -6,17 +6,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fakes.scripts import load_script
+import validation_report
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _report():
-    return load_script("te_gqa_fix_gpu_report", ROOT / "tests/gpu/report.py")
+    return validation_report
 
 
 def test_validation_page_is_rendered_from_its_data_file() -> None:
-    assert _report().check(), "run: python tests/gpu/report.py render"
+    assert _report().check(), "run: python3 evidence/validation_report.py render"
 
 
 def test_results_are_one_data_file_per_page_and_small() -> None:

@@ -4,7 +4,7 @@
 #   route   the system machine with TE_GQA_FIX_CUDNN=auto through te-gqa-fix's installed
 #           start-up file (the wheel carried in .whl-mcore/ is installed once)
 #   cudnn927  the system machine with TE_GQA_FIX_CUDNN=strict:/tmp/cudnn-9.27/nvidia/cudnn,
-#           the cuDNN 9.27 folder .gpu-kit-cudnn/stage.sh unpacks (the route to a folder)
+#           the cuDNN 9.27 folder tests/gpu/cudnn_kit.sh stages (the route to a folder)
 use_build() {
   unset TE_GQA_FIX_CUDNN
   case "$1" in
