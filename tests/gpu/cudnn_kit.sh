@@ -9,7 +9,7 @@
 #                   (plus .gpu-kit-cudnn/SHA256) per command.
 #   stage           (GPU machine, repository root) collect the carried parts in /tmp; once a
 #                   set is whole, check it and unzip it into /tmp/cudnn-9.27: the folder
-#                   TE_GQA_FIX_CUDNN=strict:/tmp/cudnn-9.27/nvidia/cudnn names (builds.sh).
+#                   TE_GQA_FIX_CUDNN=strict:/tmp/cudnn-9.27/nvidia/cudnn names (evidence/builds.sh).
 set -uo pipefail
 kit=.gpu-kit-cudnn parts=/tmp/cudnn-parts out=/tmp/cudnn-9.27
 case "${1:-}" in

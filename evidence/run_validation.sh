@@ -2,12 +2,13 @@
 # The GPU tests on each cuDNN build (GPU machine, repository root, GPU kit staged):
 # doctor --json, then `pytest tests -m gpu` (every gpu-marked test, tests/gpu and the
 # GPU cases of the CPU files) with per-case records (TE_GQA_FIX_RECORD) and junit
-# outcomes. Raw outputs only, in ${RES:-/tmp/te-gqa-fix-validation}; run_all.sh turns them
-# into docs/data/validation.jsonl.   Knobs: BUILDS, PYTEST_TIMEOUT, PYTEST_ARGS.
+# outcomes. Raw outputs only, in ${RES:-/tmp/te-gqa-fix-validation}; evidence/run_all.sh
+# turns them into a file of blocks to merge into docs/data/validation.jsonl.
+# Knobs: BUILDS, PYTEST_TIMEOUT, PYTEST_ARGS.
 # The builds run side by side on the one GPU (each about 6 minutes on a cold Triton cache).
 set -uo pipefail
-# shellcheck source=tests/gpu/builds.sh
-source tests/gpu/builds.sh
+# shellcheck source=evidence/builds.sh
+source evidence/builds.sh
 res=${RES:-/tmp/te-gqa-fix-validation}
 mkdir -p "$res"
 builds=${BUILDS:-system pip route}

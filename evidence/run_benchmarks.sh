@@ -1,21 +1,27 @@
 #!/usr/bin/env bash
 # Everything docs/performance.md shows, on the GPU machine (repository root, GPU kit staged;
-# the te-gqa-fix wheel in .whl-mcore/ for the start-up timing, as tests/gpu/builds.sh says):
+# the te-gqa-fix wheel in .whl-mcore/ for the start-up timing, as evidence/builds.sh says):
 # bench_postpass.py and bench_step.py on each build (system: cuDNN 9.14, affected; pip: 9.19,
 # fixed), fallback_cost.py on pip (TE's backward on the fixed cuDNN), then startup_cudnn.py.
 # About 6 minutes on one H200.
 # Knobs: PARTS (default "postpass step fallback startup"), BUILDS (default "system pip"), QUICK=1,
-# STARTUP_REPEAT (default 5).
+# STARTUP_REPEAT (default 5), COMMIT (the code measured, where the tree here has no .git).
 # Raw outputs stay in /tmp between commands on one warm machine, so a run may be split.
-# Brings back $OUT/performance.json (commit as docs/data/performance.json) and
-# $OUT/performance.md (the page it renders to: docs/performance.md).
+# Brings back $OUT/performance.jsonl: the (build, benchmark) blocks this run measured, each
+# with its date, commit, GPU and stack. Merge it into docs/data/performance.jsonl on the CPU
+# side (it replaces those blocks only; every other benchmark and build keeps its own run):
+#   python3 evidence/performance_report.py merge performance.jsonl
+#   python3 evidence/performance_report.py render
+# $OUT/performance.md is this run alone, rendered for a first look (not for committing).
 set -uo pipefail
-# shellcheck source=tests/gpu/builds.sh
-source tests/gpu/builds.sh
+# shellcheck source=evidence/builds.sh
+source evidence/builds.sh
 out=${OUT:-/tmp/te-gqa-fix-bench}
 raw=/tmp/te-gqa-fix-bench-raw
 mkdir -p "$out" "$raw"
 parts=" ${PARTS:-postpass step fallback startup} "
+commit=$(code_commit)
+echo "code measured: $commit"
 for build in ${BUILDS:-system pip}; do
   (
     use_build "$build"
@@ -48,7 +54,11 @@ if [[ $parts == *" startup "* ]]; then
     tail -n 3 "$raw/startup.log"
   )
 fi
-python3 benchmarks/bench_report.py collect "$raw"/*.json --command "${COMMAND:-bash benchmarks/run.sh}" \
-  -o "$out/performance.json"
-python3 benchmarks/bench_report.py render "$out/performance.json" -o "$out/performance.md"
-echo "data file $out/performance.json, page $out/performance.md"
+command="bash evidence/run_benchmarks.sh"  # with the knobs this run was given
+for knob in PARTS BUILDS QUICK STARTUP_REPEAT; do
+  [ -n "${!knob:-}" ] && command="$knob=${!knob@Q} $command"
+done
+python3 evidence/performance_report.py collect "$raw"/*.json --run "${COMMAND:-$command}" \
+  --commit "$commit" -o "$out/performance.jsonl"
+python3 evidence/performance_report.py render "$out/performance.jsonl" -o "$out/performance.md" --no-figures
+echo "blocks of this run: $out/performance.jsonl (merge it: see the top of this script)"
