@@ -44,6 +44,7 @@ _te_function: Optional[Callable] = None
 _lasting = False
 
 _OWN_PACKAGE = __name__.rpartition(".")[0]
+_NONE = object()  # matches no module attribute
 
 
 def missing_symbol(module: ModuleType) -> SetupError:
@@ -181,7 +182,8 @@ def install() -> List[str]:
 
 def uninstall() -> List[str]:
     """Give every site :func:`install` rebound what it held before (after a reload, TE's
-    current function), where it still holds the wrapper. A no-op when not installed.
+    current function), where it still holds the wrapper; a module imported since that took
+    a wrapper from a rebound module gets what that module held. A no-op when not installed.
 
     Returns:
         The sites restored.
@@ -190,10 +192,16 @@ def uninstall() -> List[str]:
     with _lock:
         _lasting = False
         restored: List[str] = []
+        held: Dict[int, Tuple[Callable, Any]] = {}  # id(wrapper) -> (wrapper, what it replaced)
         for mod, attr, before, new in _sites.values():
+            held[id(new)] = (new, before)
             if getattr(mod, attr, None) is new:
                 setattr(mod, attr, before)
                 restored.append(f"{mod.__name__}.{attr}")
+        # A module imported since took a wrapper from a rebound module: it goes back too.
+        for mod, attr, value in list(_holders(lambda v: held.get(id(v), (_NONE,))[0] is v)):
+            setattr(mod, attr, held[id(value)][1])
+            restored.append(f"{mod.__name__}.{attr}")
         _sites.clear()
         _te_function = None
         if restored:
