@@ -68,10 +68,13 @@ def _module_items(mod: ModuleType) -> List[Tuple[str, Any]]:
 
 
 def _holders(match: Callable[[Any], bool]) -> Iterator[Tuple[ModuleType, str, Any]]:
-    """Every (module, attribute, value) whose value matches, outside this package."""
+    """Every (module, attribute, value) whose value matches, outside this package; a module
+    listed under two names (``__main__`` and ``__mp_main__``) once."""
+    seen = set()
     for name, mod in list(sys.modules.items()):
-        if not isinstance(mod, ModuleType):
+        if not isinstance(mod, ModuleType) or id(mod) in seen:
             continue
+        seen.add(id(mod))
         if name == _OWN_PACKAGE or name.startswith(_OWN_PACKAGE + "."):
             continue
         for attr, value in _module_items(mod):
