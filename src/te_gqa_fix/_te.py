@@ -39,6 +39,7 @@ __all__ = [
     "Args",
     "Signature",
     "fused_attn_module",
+    "missing_symbol",
     "release",
     "te_cudnn_version",
     "te_version",
@@ -166,6 +167,14 @@ def fused_attn_module() -> ModuleType:
         return importlib.import_module(FUSED_ATTN_MODULE)
     except ImportError as exc:
         raise SetupError(f"{INSTALL_HINT} (import failed: {exc})") from exc
+
+
+def missing_symbol(module: ModuleType) -> SetupError:
+    """The error for a TE module without ``fused_attn_bwd``."""
+    return SetupError(
+        f"{module.__name__} has no attribute {SYMBOL!r}: this Transformer Engine "
+        f"({te_version()}) is not one te-gqa-fix supports (2.8 to 2.20)"
+    )
 
 
 def te_cudnn_version() -> Optional[Tuple[int, int, int]]:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from . import _te
 from ._logging import log_once, logger
-from ._te import CALL_SITES, FUSED_ATTN_MODULE, SYMBOL
+from ._te import CALL_SITES, FUSED_ATTN_MODULE, SYMBOL, missing_symbol
 from .errors import SetupError
 from .wrapper import chain, is_wrapper, wrapper_for
 
@@ -45,14 +45,6 @@ _lasting = False
 
 _OWN_PACKAGE = __name__.rpartition(".")[0]
 _NONE = object()  # matches no module attribute
-
-
-def missing_symbol(module: ModuleType) -> SetupError:
-    """The error for a TE module without ``fused_attn_bwd``."""
-    return SetupError(
-        f"{module.__name__} has no attribute {SYMBOL!r}: this Transformer Engine "
-        f"({_te.te_version()}) is not one te-gqa-fix supports (2.8 to 2.20)"
-    )
 
 
 def _reaches_wrapper(fn: object) -> bool:

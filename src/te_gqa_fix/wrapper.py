@@ -508,9 +508,7 @@ def _resolve_drop_in() -> Tuple[Dict[str, Any], object, Callable]:
     module = _te.fused_attn_module()
     held = getattr(module, SYMBOL, None)
     if held is None:
-        from .patch import missing_symbol
-
-        raise missing_symbol(module)
+        raise _te.missing_symbol(module)
     # Installed (ours somewhere in its chain): TE's module already calls the wrapper.
     target = held if any(is_wrapper(x) for x in chain(held)) else wrapper_for(held)
     _drop_in = (vars(module), held, target)
