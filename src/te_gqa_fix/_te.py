@@ -39,6 +39,7 @@ __all__ = [
     "Args",
     "Signature",
     "fused_attn_module",
+    "missing_symbol",
     "release",
     "te_cudnn_version",
     "te_version",
@@ -168,6 +169,14 @@ def fused_attn_module() -> ModuleType:
         raise SetupError(f"{INSTALL_HINT} (import failed: {exc})") from exc
 
 
+def missing_symbol(module: ModuleType) -> SetupError:
+    """The error for a TE module without ``fused_attn_bwd``."""
+    return SetupError(
+        f"{module.__name__} has no attribute {SYMBOL!r}: this Transformer Engine "
+        f"({te_version()}) is not one te-gqa-fix supports (2.8 to 2.20)"
+    )
+
+
 def te_cudnn_version() -> Optional[Tuple[int, int, int]]:
     """The cuDNN Transformer Engine runs, from TE itself; None when TE cannot say. Never
     imports ``transformer_engine.pytorch`` (that import is what picks TE's cuDNN)."""
@@ -187,7 +196,9 @@ class Args(NamedTuple):
 
     A name the installed release's signature lacks reads as None: ``o_format``,
     ``do_format``, ``dqkv_layout`` (TE < 2.20: as ``qkv_layout`` says), ``dqkv_dtype``
-    (TE >= 2.20), ``bottom_right_diagonal`` (TE < 2.10: by mask name).
+    (TE >= 2.20), ``bottom_right_diagonal`` (TE < 2.10: by mask name). ``dqkv_layout``
+    also reads None where a call leaves it out: ``qkv_layout`` then names the gradients'
+    layout (TE's default, ``sbh3d``, is not THD; with THD inputs it is the caller's slip).
     """
 
     q: Any
@@ -242,6 +253,7 @@ class Signature:
             raise TypeError("a signature with *args or **kwargs cannot be read by name")
         positions = {p.name: i for i, p in enumerate(params) if p.kind != p.KEYWORD_ONLY}
         defaults = {p.name: p.default for p in params if p.default is not p.empty}
+        defaults.pop("dqkv_layout", None)  # left out: qkv_layout names it (see Args)
         #: TE >= 2.12 passes a right window bound to cuDNN with every mask.
         self.has_right_bound = "bottom_right_diagonal" in sig.parameters
         self._slots = [(n, positions.get(n), defaults.get(n)) for n in Args._fields]

@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from . import _te
 from ._logging import log_once, logger
-from ._te import CALL_SITES, FUSED_ATTN_MODULE, SYMBOL
+from ._te import CALL_SITES, FUSED_ATTN_MODULE, SYMBOL, missing_symbol
 from .errors import SetupError
 from .wrapper import chain, is_wrapper, wrapper_for
 
@@ -44,14 +44,7 @@ _te_function: Optional[Callable] = None
 _lasting = False
 
 _OWN_PACKAGE = __name__.rpartition(".")[0]
-
-
-def missing_symbol(module: ModuleType) -> SetupError:
-    """The error for a TE module without ``fused_attn_bwd``."""
-    return SetupError(
-        f"{module.__name__} has no attribute {SYMBOL!r}: this Transformer Engine "
-        f"({_te.te_version()}) is not one te-gqa-fix supports (2.8 to 2.20)"
-    )
+_NONE = object()  # matches no module attribute
 
 
 def _reaches_wrapper(fn: object) -> bool:
@@ -67,10 +60,13 @@ def _module_items(mod: ModuleType) -> List[Tuple[str, Any]]:
 
 
 def _holders(match: Callable[[Any], bool]) -> Iterator[Tuple[ModuleType, str, Any]]:
-    """Every (module, attribute, value) whose value matches, outside this package."""
+    """Every (module, attribute, value) whose value matches, outside this package; a module
+    listed under two names (``__main__`` and ``__mp_main__``) once."""
+    seen = set()
     for name, mod in list(sys.modules.items()):
-        if not isinstance(mod, ModuleType):
+        if not isinstance(mod, ModuleType) or id(mod) in seen:
             continue
+        seen.add(id(mod))
         if name == _OWN_PACKAGE or name.startswith(_OWN_PACKAGE + "."):
             continue
         for attr, value in _module_items(mod):
@@ -181,7 +177,8 @@ def install() -> List[str]:
 
 def uninstall() -> List[str]:
     """Give every site :func:`install` rebound what it held before (after a reload, TE's
-    current function), where it still holds the wrapper. A no-op when not installed.
+    current function), where it still holds the wrapper; a module imported since that took
+    a wrapper from a rebound module gets what that module held. A no-op when not installed.
 
     Returns:
         The sites restored.
@@ -190,10 +187,16 @@ def uninstall() -> List[str]:
     with _lock:
         _lasting = False
         restored: List[str] = []
+        held: Dict[int, Tuple[Callable, Any]] = {}  # id(wrapper) -> (wrapper, what it replaced)
         for mod, attr, before, new in _sites.values():
+            held[id(new)] = (new, before)
             if getattr(mod, attr, None) is new:
                 setattr(mod, attr, before)
                 restored.append(f"{mod.__name__}.{attr}")
+        # A module imported since took a wrapper from a rebound module: it goes back too.
+        for mod, attr, value in list(_holders(lambda v: held.get(id(v), (_NONE,))[0] is v)):
+            setattr(mod, attr, held[id(value)][1])
+            restored.append(f"{mod.__name__}.{attr}")
         _sites.clear()
         _te_function = None
         if restored:

@@ -211,9 +211,9 @@ def _same_memory(a: object, b: object) -> bool:
 
 def _inputs_key(a: Args, fallback: bool) -> Optional[tuple]:
     """What the inputs' check reads beyond the call key, and what a post-pass launch reads
-    of the offsets; for the fallback also the metadata of ``d_o``, ``o`` and TE's softmax
-    statistics and which offsets share memory. None when a value cannot be keyed (the
-    check then runs on every call)."""
+    of the offsets; for the fallback also the metadata of ``k``, ``v`` (their dtypes),
+    ``d_o``, ``o`` and TE's softmax statistics and which offsets share memory. None when a
+    value cannot be keyed (the check then runs on every call)."""
     q, k, v, cu_q, cu_kv, pad_q, pad_kv = (
         a.q, a.k, a.v, a.cu_seqlens_q, a.cu_seqlens_kv, a.cu_seqlens_q_padded,
         a.cu_seqlens_kv_padded,
@@ -235,9 +235,9 @@ def _inputs_key(a: Args, fallback: bool) -> Optional[tuple]:
     aux = a.aux_ctx_tensors
     stats = aux[0] if type(aux) in (list, tuple) and aux else None
     return (
-        *key, _meta(a.d_o), _meta(a.o), _meta(stats), _same_memory(cu_q, cu_kv),
-        _same_memory(pad_q, pad_kv), pad_q is None or _same_memory(pad_q, cu_q),
-        pad_kv is None or _same_memory(pad_kv, cu_kv),
+        *key, _meta(k), _meta(v), _meta(a.d_o), _meta(a.o), _meta(stats),
+        _same_memory(cu_q, cu_kv), _same_memory(pad_q, pad_kv),
+        pad_q is None or _same_memory(pad_q, cu_q), pad_kv is None or _same_memory(pad_kv, cu_kv),
     )  # fmt: skip
 
 
@@ -508,9 +508,7 @@ def _resolve_drop_in() -> Tuple[Dict[str, Any], object, Callable]:
     module = _te.fused_attn_module()
     held = getattr(module, SYMBOL, None)
     if held is None:
-        from .patch import missing_symbol
-
-        raise missing_symbol(module)
+        raise _te.missing_symbol(module)
     # Installed (ours somewhere in its chain): TE's module already calls the wrapper.
     target = held if any(is_wrapper(x) for x in chain(held)) else wrapper_for(held)
     _drop_in = (vars(module), held, target)
