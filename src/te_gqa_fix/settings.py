@@ -84,11 +84,13 @@ SHOWN_CHARS = 80
 def shown(value: object) -> str:
     """``repr(value)``, or where that is long its start and the length: a message never
     echoes a huge value (``'aaaa...'...(100000 chars)``)."""
+    if isinstance(value, str):  # its characters are counted, not its repr's
+        if len(value) <= SHOWN_CHARS:
+            return repr(value)
+        return f"{value[:SHOWN_CHARS]!r}...({len(value)} chars)"
     text = repr(value)
     if len(text) <= SHOWN_CHARS:
         return text
-    if isinstance(value, str):
-        return f"{value[:SHOWN_CHARS]!r}...({len(value)} chars)"
     return f"{text[:SHOWN_CHARS]}...({len(text)} chars)"
 
 
