@@ -175,7 +175,14 @@ def unknown_names(environ: Optional[Mapping[str, str]] = None) -> List[Tuple[str
     """
     env = os.environ if environ is None else environ
     names = sorted(n for n in env if n.upper().startswith(PREFIX) and n not in SETTINGS)
-    return [(n, next(iter(difflib.get_close_matches(n, SETTINGS, 1, 0.6)), None)) for n in names]
+    return [(n, next(iter(_closest(n.upper())), None)) for n in names]
+
+
+def _closest(name: str) -> List[str]:
+    """The known name most like ``name`` (upper case, any case matches), if any is as
+    like it as a letter dropped, doubled or swapped makes it: the shared prefix alone is
+    no likeness (``TE_GQA_FIX_RECORD`` is like no setting)."""
+    return difflib.get_close_matches(name, SETTINGS, 1, 0.85)
 
 
 def describe(environ: Optional[Mapping[str, str]] = None) -> Dict[str, Dict[str, object]]:
