@@ -10,9 +10,9 @@ way it runs once per process, and does nothing unless ``TE_GQA_FIX_AUTOPATCH`` o
 At import it uses the standard library alone, and lives outside the package: should
 te-gqa-fix itself fail to import (a shadowing ``te_gqa_fix`` folder, a broken install), a
 ``strict`` setting still stops Transformer Engine's import with the reason (the ``.pth``
-line does the same should this module itself be missing). te-gqa-fix's standard-library
-modules (settings, the cuDNN route) come in :func:`activate`; torch and the fix proper only
-once ``transformer_engine.pytorch`` is imported. Where neither file is processed
+line does the same should this module itself be missing or fail). te-gqa-fix's
+standard-library modules (settings, the cuDNN route) come in :func:`activate`; torch and
+the fix proper only once ``transformer_engine.pytorch`` is imported. Where neither file is processed
 (``python -S``), call :func:`te_gqa_fix.install` or :func:`enable`.
 """
 
