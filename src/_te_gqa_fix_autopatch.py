@@ -83,7 +83,9 @@ def refuse(names: tuple, reason: str) -> None:
 
 
 def _fire(strict: bool) -> None:
-    """Install the fix now (TE is imported); log a failure, or raise it when ``strict``."""
+    """Install the fix now (TE is imported); log a failure, or raise it when ``strict``.
+    Either way the message names what asked for the fix: the variable as set, or
+    :func:`enable` called from Python."""
     try:
         import te_gqa_fix
 
@@ -91,11 +93,12 @@ def _fire(strict: bool) -> None:
     except Exception as exc:
         _state["error"] = f"{type(exc).__name__}: {exc}"
         failed = f"the fix could not be installed after importing {TARGET} ({_state['error']})"
+        asked = _state["activated_by"] or f"enable(strict={strict})"
         if strict:
-            raise ImportError(f"{ENV_AUTOPATCH}={_raw(ENV_AUTOPATCH)}: {failed}") from exc
+            raise ImportError(f"{asked}: {failed}") from exc
         _log().warning(
-            f"{ENV_AUTOPATCH}={_raw(ENV_AUTOPATCH)} is set but {failed}; the program continues "
-            f"WITHOUT the fix (set {ENV_AUTOPATCH}=strict to make this an error)",
+            f"{asked}: {failed}; the program continues WITHOUT the fix (set "
+            f"{ENV_AUTOPATCH}=strict to make this an error)",
             exc_info=True,
         )
         return
