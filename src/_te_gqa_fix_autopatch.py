@@ -223,6 +223,7 @@ def preload_cudnn(setting: str) -> None:
     preload hook. A strict failure raises ImportError and keeps the hook, so that every
     import of torch or TE fails with the reason; otherwise a failure is logged."""
     from te_gqa_fix.cudnn_route import parse_setting, route
+    from te_gqa_fix.errors import SetupError
     from te_gqa_fix.settings import shown
 
     given = f"{ENV_CUDNN}={shown(_raw(ENV_CUDNN))}"
@@ -230,8 +231,9 @@ def preload_cudnn(setting: str) -> None:
     try:
         route(target, strict, None, given)  # type: ignore[arg-type]
     except Exception as exc:
-        if strict:
-            raise ImportError(f"{given}: {exc}") from exc
+        if strict:  # the route's messages mostly name the setting first already
+            said = str(exc)
+            raise SetupError(said if said.startswith(given) else f"{given}: {said}") from exc
         _log().warning(
             f"{given} failed ({type(exc).__name__}: {exc}); Transformer Engine keeps the "
             "cuDNN it finds"
