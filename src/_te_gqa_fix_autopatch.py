@@ -10,9 +10,9 @@ way it runs once per process, and does nothing unless ``TE_GQA_FIX_AUTOPATCH`` o
 At import it uses the standard library alone, and lives outside the package: should
 te-gqa-fix itself fail to import (a shadowing ``te_gqa_fix`` folder, a broken install), a
 ``strict`` setting still stops Transformer Engine's import with the reason (the ``.pth``
-line does the same should this module itself be missing). te-gqa-fix's standard-library
-modules (settings, the cuDNN route) come in :func:`activate`; torch and the fix proper only
-once ``transformer_engine.pytorch`` is imported. Where neither file is processed
+line does the same should this module itself be missing or fail). te-gqa-fix's
+standard-library modules (settings, the cuDNN route) come in :func:`activate`; torch and
+the fix proper only once ``transformer_engine.pytorch`` is imported. Where neither file is processed
 (``python -S``), call :func:`te_gqa_fix.install` or :func:`enable`.
 """
 
@@ -83,7 +83,9 @@ def refuse(names: tuple, reason: str) -> None:
 
 
 def _fire(strict: bool) -> None:
-    """Install the fix now (TE is imported); log a failure, or raise it when ``strict``."""
+    """Install the fix now (TE is imported); log a failure, or raise it when ``strict``.
+    Either way the message names what asked for the fix: the variable as set, or
+    :func:`enable` called from Python."""
     try:
         import te_gqa_fix
 
@@ -91,11 +93,12 @@ def _fire(strict: bool) -> None:
     except Exception as exc:
         _state["error"] = f"{type(exc).__name__}: {exc}"
         failed = f"the fix could not be installed after importing {TARGET} ({_state['error']})"
+        asked = _state["activated_by"] or f"enable(strict={strict})"
         if strict:
-            raise ImportError(f"{ENV_AUTOPATCH}={_raw(ENV_AUTOPATCH)}: {failed}") from exc
+            raise ImportError(f"{asked}: {failed}") from exc
         _log().warning(
-            f"{ENV_AUTOPATCH}={_raw(ENV_AUTOPATCH)} is set but {failed}; the program continues "
-            f"WITHOUT the fix (set {ENV_AUTOPATCH}=strict to make this an error)",
+            f"{asked}: {failed}; the program continues WITHOUT the fix (set "
+            f"{ENV_AUTOPATCH}=strict to make this an error)",
             exc_info=True,
         )
         return
@@ -220,6 +223,7 @@ def preload_cudnn(setting: str) -> None:
     preload hook. A strict failure raises ImportError and keeps the hook, so that every
     import of torch or TE fails with the reason; otherwise a failure is logged."""
     from te_gqa_fix.cudnn_route import parse_setting, route
+    from te_gqa_fix.errors import SetupError
     from te_gqa_fix.settings import shown
 
     given = f"{ENV_CUDNN}={shown(_raw(ENV_CUDNN))}"
@@ -227,8 +231,9 @@ def preload_cudnn(setting: str) -> None:
     try:
         route(target, strict, None, given)  # type: ignore[arg-type]
     except Exception as exc:
-        if strict:
-            raise ImportError(f"{given}: {exc}") from exc
+        if strict:  # the route's messages mostly name the setting first already
+            said = str(exc)
+            raise SetupError(said if said.startswith(given) else f"{given}: {said}") from exc
         _log().warning(
             f"{given} failed ({type(exc).__name__}: {exc}); Transformer Engine keeps the "
             "cuDNN it finds"

@@ -1,11 +1,15 @@
-"""The cuDNN route (TE_GQA_FIX_CUDNN, ``te_gqa_fix.use_fixed_cudnn``) and the affected rule.
+"""The cuDNN route (``TE_GQA_FIX_CUDNN``, ``te_gqa_fix.use_fixed_cudnn``).
 
 The route's claim is about the dynamic loader: the first ``RTLD_GLOBAL`` copy of a symbol
-wins, so a fixed cuDNN loaded before TE makes TE run it even though TE later loads the
-system copy by path. These tests build real shared libraries that answer
-``cudnnGetVersion`` (tests/fakes/cudnn_builds.py) and load them in fresh interpreters (a
-library once loaded stays loaded), with a torch-free fake TE that loads its "system" cuDNN
-the way TE's loader does.
+wins, so a build loaded before TE makes TE run it even though TE later loads the system
+copy by path. The route moves TE only onto a build measured right (issue #54): among the
+installed wheels the newest measured right; where none is installed, the newest unmeasured
+build at or above 9.18 (with a WARNING: the post-pass stays on); never one measured wrong
+nor one below 9.18; ``strict`` loads an unmeasured build only from a folder the user names.
+These tests build real shared libraries that answer ``cudnnGetVersion``
+(tests/fakes/cudnn_builds.py) and load them in fresh interpreters (a library once loaded
+stays loaded), with a torch-free fake TE that loads its "system" cuDNN the way TE's loader
+does. Refusals come before anything is loaded, so they are tested in this process.
 """
 
 from __future__ import annotations
@@ -27,26 +31,37 @@ import pytest
 
 from fakes import cudnn_builds as fb
 from fakes.interpreter import PTH, SRC, child_env, probed, run_code
-from te_gqa_fix.stack import affected, cudnn
-from te_gqa_fix.stack.versions import RuntimeFacts
+from te_gqa_fix import cudnn_route, rules
+from te_gqa_fix.errors import (
+    CudnnAlreadyLoaded,
+    CudnnLoadError,
+    CudnnRefused,
+    InputError,
+    InputTypeError,
+    SetupError,
+)
+from te_gqa_fix.settings import shown
+
+ENV = cudnn_route.ENV_CUDNN
 
 
 @pytest.fixture(autouse=True)
 def _fresh_route():
-    cudnn._reset_route()
+    cudnn_route._reset_route()
     yield
-    cudnn._reset_route()
+    cudnn_route._reset_route()
 
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
-    """Four wheel sites (9.14 by header, 9.19 by metadata, 9.20 in TE's cu13 layout, one
-    without a version) and a system build 9.14 with versioned file names; the tests that
-    load them skip without a C compiler."""
+    """Wheel sites: 9.14 by header (measured wrong: stale rows), 9.19 by metadata (measured
+    right), 9.24 by header in TE's cu13 layout (not measured), one without a version; a
+    system build 9.14 with versioned file names. The tests that use them skip without a C
+    compiler."""
     if fb.compiler() is None:
         pytest.skip("needs a C compiler")
     base = tmp_path_factory.mktemp("cudnn")
-    out = {name: base / f"site_{name}" for name in ("old", "fixed", "newest", "anon")}
+    out = {name: base / f"site_{name}" for name in ("old", "fixed", "unmeasured", "anon")}
     out["system"] = base / "sys"
     fb.wheel_build(out["old"], (9, 14, 0), how="header")
     fb.wheel_build(out["fixed"], (9, 19, 0), how="metadata")
@@ -54,39 +69,59 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
     decoy.mkdir()
     (decoy / "RECORD").write_text("nvidia/cudnn/lib64/libcudnn.so.9,,\n")
     (out["fixed"] / "nvidia_cudnn_cu12-9.dist-info").mkdir()  # no dotted version: not a wheel's
-    fb.wheel_build(out["newest"], (9, 20, 1), layout="nvidia/cu13/cudnn/lib", how="header")
+    fb.wheel_build(out["unmeasured"], (9, 24, 0), layout=UNMEASURED_LAYOUT, how="header")
     fb.wheel_build(out["anon"], (9, 21, 0), how="none")
     fb.system_build(out["system"], (9, 14, 0))
     return out
+
+
+UNMEASURED_LAYOUT = "nvidia/cu13/cudnn/lib"
+
+
+def _lib(builds: Dict[str, Path], name: str) -> Path:
+    layout = UNMEASURED_LAYOUT if name == "unmeasured" else "nvidia/cudnn/lib"
+    return builds[name] / layout
+
+
+@pytest.fixture
+def measured_wrong_924(monkeypatch: pytest.MonkeyPatch) -> rules.Measurement:
+    """The table with a measurement of 9.24 that found sequences without queries or keys
+    wrong on rows that receive attention (put back after the test)."""
+    wrong = rules.Measurement((9, 24, 0), False, frozenset(), rules._ABOVE_128, True)
+    table = sorted((*rules.MEASURED, wrong), key=lambda m: m.cudnn)
+    monkeypatch.setattr(rules, "MEASURED", tuple(table))
+    return wrong
 
 
 # ----------------------------------------------------------------------------- discovery
 
 
 def test_discovery_reads_each_layout_and_version_source(builds: Dict[str, Path]) -> None:
-    found = cudnn.find_wheel_builds([str(builds[k]) for k in ("old", "fixed", "newest", "anon")])
+    found = cudnn_route.find_wheel_builds(
+        [str(builds[k]) for k in ("old", "fixed", "unmeasured", "anon")]
+    )
     by_site = {
-        f"site_{name}": b
+        name: b
         for b in found
-        for name in ("old", "fixed", "newest", "anon")
+        for name in ("old", "fixed", "unmeasured", "anon")
         if b.lib_dir.startswith(str(builds[name]) + os.sep)
     }
     assert len(found) == 4, found
-    assert by_site["site_old"].version == (9, 14, 0) and by_site["site_old"].how == "header"
-    assert by_site["site_fixed"].version == (9, 19, 0)
-    assert by_site["site_fixed"].how == "wheel metadata"
-    assert by_site["site_fixed"].distribution == "nvidia-cudnn-cu13"
-    assert by_site["site_newest"].version == (9, 20, 1)
-    assert by_site["site_newest"].lib_dir.endswith(os.path.join("nvidia", "cu13", "cudnn", "lib"))
-    anon = by_site["site_anon"]
+    assert by_site["old"].version == (9, 14, 0) and by_site["old"].how == "header"
+    assert by_site["fixed"].version == (9, 19, 0)
+    assert by_site["fixed"].how == "wheel metadata"
+    assert by_site["fixed"].distribution == "nvidia-cudnn-cu13"
+    assert by_site["unmeasured"].version == (9, 24, 0)
+    assert by_site["unmeasured"].lib_dir.endswith(os.path.join(*UNMEASURED_LAYOUT.split("/")))
+    anon = by_site["anon"]
     assert anon.version is None and not anon.fixed and anon.version_str == anon.how == "unknown"
-    assert [b.fixed for b in found].count(True) == 2
-    assert cudnn.choose_fixed(found).version == (9, 20, 1)  # the newest fixed
-    names = [os.path.basename(p) for p in by_site["site_fixed"].libraries()]  # libcudnn last
+    measured = {name: b.measured for name, b in by_site.items()}
+    assert measured == dict(old="wrong", fixed="right", unmeasured="unmeasured", anon="unknown")
+    assert cudnn_route.choose(found) is by_site["fixed"]  # measured right, over a newer one
+    names = [os.path.basename(p) for p in by_site["fixed"].libraries()]  # libcudnn last
     assert names == [f"{n}.so.9" for n in (*fb.SUB_LIBRARIES, "libcudnn")]
-    (system,) = cudnn.find_system_builds({"CUDNN_HOME": str(builds["system"])})[:1]
+    (system,) = cudnn_route.find_system_builds({"CUDNN_HOME": str(builds["system"])})[:1]
     assert (system.version, system.how, system.origin) == ((9, 14, 0), "file name", "system")
-    assert cudnn.choose_fixed([b for b in found if b.version != (9, 20, 1)]).version == (9, 19, 0)
 
 
 @pytest.mark.parametrize(
@@ -99,8 +134,54 @@ def test_system_builds_below_te_variables_and_ld_library_path(
 ) -> None:
     lib = fb.stub_build(tmp_path / sub, suffix="9.14.0")
     env = {var: f"::{lib}" if var == "LD_LIBRARY_PATH" else str(tmp_path)}
-    found = [(b.lib_dir, b.version) for b in cudnn.find_system_builds(env)]
+    found = [(b.lib_dir, b.version) for b in cudnn_route.find_system_builds(env)]
     assert found[:1] == [(str(lib), (9, 14, 0))]
+
+
+# ----------------------------------------------------------------------------- choosing
+
+V = Tuple[int, ...]
+
+
+@pytest.mark.parametrize(
+    "versions, chosen",
+    [([(9, 19, 0), (9, 24, 0)], (9, 19, 0)),  # measured right over a newer unmeasured one
+     ([(9, 24, 0)], (9, 24, 0)),  # none measured right installed: the newest unmeasured
+     ([(9, 18, 0), (9, 24, 0), (9, 21, 3)], (9, 24, 0)),
+     ([(9, 19, 2), (9, 14, 0)], (9, 19, 2)),  # a patch release is its minor release's
+     ([(9, 27, 0), (9, 19, 0), (9, 30, 0)], (9, 27, 0)),  # the newest measured right
+     ([(9, 17, 9)], None), ([(9, 14, 0), (8, 9, 7)], None),  # never below 9.18
+     ([(10, 0, 0)], None), ([(10,)], None), ([None], None), ([], None)],
+)  # fmt: skip
+def test_auto_chooses_the_newest_measured_right_else_unmeasured_from_9_18(
+    versions: List[Optional[V]], chosen: Optional[V]
+) -> None:
+    builds = [
+        cudnn_route.CudnnBuild(f"/x/{i}", v, "wheel", "header") for i, v in enumerate(versions)
+    ]
+    got = cudnn_route.choose(builds)
+    assert (got and got.version) == chosen
+    assert all(isinstance(hash(b), int) for b in builds)  # frozen, so hashable
+
+
+def test_auto_never_chooses_a_build_measured_wrong(measured_wrong_924) -> None:
+    build = lambda v: cudnn_route.CudnnBuild("/x", v, "wheel", "header")  # noqa: E731
+    assert build((9, 24, 0)).measured == "wrong" and build((9, 24, 5)).measured == "wrong"
+    assert cudnn_route.choose([build((9, 24, 0))]) is None
+    assert cudnn_route.choose([build((9, 24, 0)), build((9, 19, 0))]).version == (9, 19, 0)
+    assert cudnn_route.choose([build((9, 24, 0)), build((9, 25, 0))]).version == (9, 25, 0)
+
+
+@pytest.mark.parametrize(
+    "version, fixed",
+    [((9, 17, 9), False), ((9, 18, 0), True), ((9, 99, 9), True), ((10, 0, 0), False),
+     ((10,), False), ((8, 9, 7), False), (None, False)],
+)  # fmt: skip
+def test_fixed_means_9_18_or_newer_within_cudnn_9(version, fixed: bool) -> None:
+    assert cudnn_route.CudnnBuild("/x", version, "wheel", "header").fixed is fixed
+
+
+# ----------------------------------------------------------------------------- refusals
 
 
 class _BytesPath(os.PathLike):
@@ -111,52 +192,105 @@ class _BytesPath(os.PathLike):
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [
-        (dict(where=None), TypeError,
+        (dict(where=None), InputTypeError,
          "where: expected 'auto' or a folder path (str or os.PathLike), got NoneType None"),
-        (dict(where=123), TypeError, "where: expected 'auto' or a folder path (str or "
+        (dict(where=123), InputTypeError, "where: expected 'auto' or a folder path (str or "
          "os.PathLike), got int 123"),
-        (dict(search_path="x" * 78), TypeError, f"single {'x' * 78!r}: wrap"),  # 80: whole
-        (dict(where=b"x" * 78), TypeError, f"got bytes {repr(b'x' * 78)[:80]}...(81 chars)"),
-        (dict(where=_BytesPath()), TypeError, "got _BytesPath"),
-        (dict(where=" "), ValueError, "where: expected 'auto' or a folder path"),
-        (dict(where="strict:/opt/cudnn"), ValueError, "'strict' and 'strict:FOLDER' are "
+        (dict(search_path="x" * 78), InputTypeError, f"single {'x' * 78!r}: wrap"),  # 80: whole
+        (dict(where=b"x" * 78), InputTypeError, f"got bytes {repr(b'x' * 78)[:80]}...(81 chars)"),
+        (dict(where=_BytesPath()), InputTypeError, "got _BytesPath"),
+        (dict(where=" "), InputError, "where: expected 'auto' or a folder path"),
+        (dict(where="strict:/opt/cudnn"), InputError, "'strict' and 'strict:FOLDER' are "
          "TE_GQA_FIX_CUDNN's spellings; here strictness is the strict= keyword (default True): "
          "call use_fixed_cudnn('/opt/cudnn', strict=True)"),
-        (dict(where="Strict"), ValueError, "call use_fixed_cudnn('auto', strict=True)"),
-        (dict(search_path="/usr"), TypeError, "search_path: expected a list of site folders "
-         "(str or os.PathLike), got the single '/usr': wrap one folder in a list (['/usr'])"),
-        (dict(search_path=5), TypeError, "search_path: expected a list of site folders"),
-        (dict(search_path=["/usr", None]), TypeError, "search_path[1]: expected a folder"),
-        (dict(where="/opt/cudnn", search_path=["/usr"]), ValueError,
+        (dict(where="Strict"), InputError, "call use_fixed_cudnn('auto', strict=True)"),
+        (dict(search_path="/usr"), InputTypeError, "search_path: expected a list of site "
+         "folders (str or os.PathLike), got the single '/usr': wrap one folder in a list "
+         "(['/usr'])"),
+        (dict(search_path=5), InputTypeError, "search_path: expected a list of site folders"),
+        (dict(search_path=["/usr", None]), InputTypeError, "search_path[1]: expected a folder"),
+        (dict(where="/opt/cudnn", search_path=["/usr"]), InputError,
          "search_path is only read for where='auto', not for the folder '/opt/cudnn'"),
-        (dict(strict="no"), TypeError, "strict: expected a bool, got 'no'"),
+        (dict(strict="no"), InputTypeError, "strict: expected a bool, got 'no'"),
     ],
 )  # fmt: skip
 def test_bad_arguments_are_named_before_anything_is_tried(
     kwargs: dict, error: type, message: str
 ) -> None:
     with pytest.raises(error) as err:
-        cudnn.use_fixed_cudnn(**{"strict": False, **kwargs})  # not even strict=False hides it
+        cudnn_route.use_fixed_cudnn(**{"strict": False, **kwargs})  # not even strict=False hides it
     assert message in str(err.value)
-    assert cudnn.route_state()["setting"] is None
+    assert cudnn_route.route_state()["setting"] is None
 
 
 @pytest.mark.parametrize("where", ["auto", " AUTO "])
-def test_auto_without_a_fixed_build_names_versions_seen_and_the_pip_install(
+def test_auto_without_a_build_it_may_load_names_versions_seen_and_the_pip_install(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, where: str
 ) -> None:
-    """In any case; search_path and a folder as path objects."""
+    """In any case; search_path and a folder as path objects. The message names the call
+    the user made, not the environment variable (issue #53)."""
     fb.stub_build(tmp_path / "site" / "nvidia" / "cudnn" / "lib", header_version=(9, 14, 0))
-    found = r"auto found no cuDNN >= 9\.18 .*seen: 9\.14\.0 \(.*\); pip install " + re.escape(
-        "'nvidia-cudnn-cu12>=9.18' (CUDA 12) or 'nvidia-cudnn-cu13>=9.18' (CUDA 13) provides one"
+    found = (
+        r"^use_fixed_cudnn\('auto'\) found no cuDNN wheel it may load in this environment .*"
+        r"seen: 9\.14\.0 wrong \(.*\)\); "
+        + re.escape(f"{rules.pip_hint(rules.newest_right().cudnn)} provides one")
     )
-    with pytest.raises(LookupError, match=found):
-        cudnn.use_fixed_cudnn(where, search_path=[tmp_path / "site"])
+    with pytest.raises(CudnnRefused, match=found) as err:
+        cudnn_route.use_fixed_cudnn(where, search_path=[tmp_path / "site"])
+    assert ENV not in str(err.value)
+    assert cudnn_route.route_state()["setting"] == "use_fixed_cudnn('auto')"
     with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
-        assert cudnn.use_fixed_cudnn(where, strict=False, search_path=[tmp_path / "site"]) is None
-    assert re.search(found, caplog.text) and re.search(found, cudnn.route_state()["error"])
-    with pytest.raises(cudnn.CudnnRefused, match=r"cuDNN 9\.14\.0 in .* not a fixed build"):
-        cudnn.use_fixed_cudnn(tmp_path / "site" / "nvidia" / "cudnn")
+        got = cudnn_route.use_fixed_cudnn(where, strict=False, search_path=[tmp_path / "site"])
+    assert got is None
+    assert re.search(found[1:], caplog.text)
+    assert re.search(found, cudnn_route.route_state()["error"])
+    with pytest.raises(CudnnRefused, match=r"cuDNN 9\.14\.0 in .* is below 9\.18"):
+        cudnn_route.use_fixed_cudnn(tmp_path / "site" / "nvidia" / "cudnn")
+
+
+def test_strict_loads_an_unmeasured_build_only_from_a_folder_named(
+    builds: Dict[str, Path],
+) -> None:
+    """Issue #54: strict refuses 9.24 (not measured) found by ``auto``, and tells the way to
+    name it in the words the user asked with; nothing is loaded. (Named, it loads:
+    test_the_route_at_start_up.)"""
+    site_dir = [str(builds["unmeasured"])]
+    lib = str(_lib(builds, "unmeasured"))
+    asked = {
+        "use_fixed_cudnn('auto')": f"use_fixed_cudnn({shown(lib)})",
+        f"{ENV}='strict'": f"{ENV}=strict:{lib}",
+    }
+    for source, naming in asked.items():
+        with pytest.raises(CudnnRefused) as err:
+            if source.startswith(ENV):
+                cudnn_route.route("auto", True, site_dir, source)
+            else:
+                cudnn_route.use_fixed_cudnn("auto", search_path=site_dir)
+        message = str(err.value)
+        assert message.startswith(f"{source}: cuDNN 9.24.0 in {lib} was not measured"), message
+        assert f"a folder you name ({naming}); nothing was loaded" in message
+        assert cudnn_route.route_state()["loaded"] == ()
+
+
+def test_a_build_measured_wrong_is_never_loaded(
+    builds: Dict[str, Path], caplog: pytest.LogCaptureFixture, measured_wrong_924
+) -> None:
+    """Issue #54: with 9.24 measured wrong (sequences without queries or keys), neither
+    ``auto`` (strict or not) nor its folder named (strict or not) loads it."""
+    lib = str(_lib(builds, "unmeasured"))
+    with pytest.raises(CudnnRefused, match=r"found no cuDNN wheel it may load .*9\.24\.0 wrong"):
+        cudnn_route.use_fixed_cudnn("auto", search_path=[str(builds["unmeasured"])])
+    wrong = rf"cuDNN 9\.24\.0 in {re.escape(lib)} was measured wrong .* the route never loads it"
+    for strict in (True, False):
+        source = f"{ENV}='{'strict:' if strict else ''}{lib}'"
+        with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
+            try:
+                assert cudnn_route.route(lib, strict, None, source) is None and not strict
+            except CudnnRefused as exc:
+                assert strict and re.search(wrong, str(exc))
+        assert re.search(wrong, cudnn_route.route_state()["error"])
+        assert cudnn_route.route_state()["loaded"] == ()
+    assert re.search(wrong, caplog.text)
 
 
 def _not_elf(lib: Path) -> None:
@@ -164,25 +298,27 @@ def _not_elf(lib: Path) -> None:
 
 
 REFUSED = {  # case -> (stub build, error, what the message says)
-    "not cuDNN": (dict(header_version=(9, 19, 0), symbol=False), cudnn.CudnnRefused,
-                  r"libcudnn\.so\.9 is not a cuDNN \(it exports no cudnnGetVersion\); nothing was loaded"),
-    "9.14 by header": (dict(header_version=(9, 14, 0)), cudnn.CudnnRefused,
-                       r"cuDNN 9\.14\.0 in .* \(version from its header\) is not a fixed build.*"
-                       "nothing was loaded"),
-    "9.17.9 by file name": (dict(suffix="9.17.9"), cudnn.CudnnRefused,
-                            r"cuDNN 9\.17\.9 .*file name.* not a fixed build"),
-    "cuDNN 10": (dict(header_version=(10, 0, 0)), cudnn.CudnnRefused, r"cuDNN 10\.0\.0 .* not a fixed"),
-    "no version, strict": ({}, cudnn.CudnnRefused,
+    "not cuDNN": (dict(header_version=(9, 19, 0), symbol=False), CudnnRefused,
+                  r"libcudnn\.so\.9 is not a cuDNN \(it exports no cudnnGetVersion\); nothing "
+                  "was loaded"),
+    "9.14 by header": (dict(header_version=(9, 14, 0)), CudnnRefused,
+                       r"cuDNN 9\.14\.0 in .* \(version from its header\) is below 9\.18 or not "
+                       r"cuDNN 9: use_fixed_cudnn\(.*\) loads only builds with the upstream "
+                       "fix; nothing was loaded"),
+    "9.17.9 by file name": (dict(suffix="9.17.9"), CudnnRefused,
+                            r"cuDNN 9\.17\.9 .*file name.* below 9\.18"),
+    "cuDNN 10": (dict(header_version=(10, 0, 0)), CudnnRefused, r"cuDNN 10\.0\.0 .* not cuDNN 9"),
+    "no version, strict": ({}, CudnnRefused,
                            r"can only be learned by loading it .* nothing was loaded"),
-    "a file not ELF": (dict(header_version=(9, 19, 0), edit=_not_elf), OSError,
+    "a file not ELF": (dict(header_version=(9, 19, 0), edit=_not_elf), CudnnLoadError,
                        r"libcudnn_ops\.so\.9 is not an ELF shared library; nothing of cuDNN 9\.19\.0"),
-    "a file that fails to load": (dict(header_version=(9, 19, 0)), OSError,
+    "a file that fails to load": (dict(header_version=(9, 19, 0)), CudnnLoadError,
                                   r"could not load .*libcudnn_graph\.so\.9 .*0 of 8 files .*"
                                   "would mix builds"),
-    "no cuDNN in the folder": (dict(edit=shutil.rmtree), FileNotFoundError,
+    "no cuDNN in the folder": (dict(edit=shutil.rmtree), CudnnLoadError,
                                r"expected a folder holding libcudnn\.so\.9"),
     "no libcudnn.so.9, lenient": (dict(edit=lambda lib: (lib / "libcudnn.so.9").rename(
-        lib / "libcudnn.so.8")), FileNotFoundError, r"no libcudnn\.so\.9 in .*given"),
+        lib / "libcudnn.so.8")), CudnnLoadError, r"no libcudnn\.so\.9 in .*given"),
 }  # fmt: skip
 
 
@@ -207,23 +343,24 @@ def test_a_build_known_wrong_is_refused_before_it_is_loaded(
         edit(lib)
     if strict:
         with pytest.raises(error, match=message):
-            cudnn.use_fixed_cudnn(str(tmp_path / "given"))
+            cudnn_route.use_fixed_cudnn(str(tmp_path / "given"))
     else:
         with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
-            assert cudnn.use_fixed_cudnn(str(tmp_path / "given"), strict=False) is None
+            assert cudnn_route.use_fixed_cudnn(str(tmp_path / "given"), strict=False) is None
         assert [r for r in caplog.records if re.search(message, r.getMessage())]
-    assert cudnn.route_state()["loaded"] == () and re.search(message, cudnn.route_state()["error"])
+    state = cudnn_route.route_state()
+    assert state["loaded"] == () and re.search(message, state["error"])
     if strict:
-        with pytest.raises(ImportError, match=r"\(strict\) failed: .*" + message):
-            cudnn.verify_te_cudnn()
+        with pytest.raises(SetupError, match=r"^use_fixed_cudnn\(.*\) failed: .*" + message):
+            cudnn_route.verify_te_cudnn()
     else:
-        assert cudnn.verify_te_cudnn() is None and cudnn.route_state()["verified"] is None
+        assert cudnn_route.verify_te_cudnn() is None and state["verified"] is None
 
 
 @pytest.mark.parametrize("sub", ["", "lib", "lib64", "lib/x86_64-linux-gnu"])
 def test_a_given_folder_or_its_lib_folder(tmp_path: Path, sub: str) -> None:
     lib = fb.stub_build(tmp_path / "cudnn" / sub, suffix="9.19.0.56")  # cut to 3 numbers
-    build = cudnn._resolve_target(str(tmp_path / "cudnn"), None)
+    build = cudnn_route._resolve_target(str(tmp_path / "cudnn"), None, "test")
     assert build.lib_dir == str(lib).rstrip(os.sep) and build.version == (9, 19, 0)
     assert build.origin == "given"
 
@@ -240,16 +377,16 @@ HEAD = "#define CUDNN_MAJOR 9\n#define CUDNN_MINOR 19\n"
 def test_header_version(tmp_path: Path, text: str, expected: Optional[Tuple[int, ...]]) -> None:
     (tmp_path / "include").mkdir()
     (tmp_path / "include" / "cudnn_version.h").write_text(text)
-    assert cudnn._header_version(str(tmp_path / "lib")) == expected
+    assert cudnn_route._header_version(str(tmp_path / "lib")) == expected
 
 
 def test_only_a_default_search_adds_site_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     lib = fb.stub_build(tmp_path / "site" / "nvidia" / "cudnn" / "lib", suffix="9.19.0")
     monkeypatch.setattr(site, "getsitepackages", lambda: [str(tmp_path / "site")])
     monkeypatch.setattr(sys, "path", [os.fsencode(tmp_path / "site"), *sys.path])  # skipped
-    found = [(b.lib_dir, b.version, b.how, b.origin) for b in cudnn.find_wheel_builds()]
+    found = [(b.lib_dir, b.version, b.how, b.origin) for b in cudnn_route.find_wheel_builds()]
     assert (str(lib), (9, 19, 0), "file name", "wheel") in found  # no header, no metadata
-    assert cudnn.find_wheel_builds([str(tmp_path)]) == []
+    assert cudnn_route.find_wheel_builds([str(tmp_path)]) == []
 
 
 def test_mapped_versions_from_the_file_name_real_path_cudnn_get_version_or_wheel(
@@ -263,16 +400,16 @@ def test_mapped_versions_from_the_file_name_real_path_cudnn_get_version_or_wheel
     names = ["libcudnn_adv.so.9.14", "libcudnn_cnn.so.9", "libcudnn.so.9", "libcudnn_ops.so.9",
              "nvidia/cudnn/lib/libcudnn_graph.so.9"]  # fmt: skip
     maps = "".join(f"7f-7f r-xp 0 08:01 1 {tmp_path / n}\n" for n in names)
-    monkeypatch.setattr(cudnn, "open", lambda path: io.StringIO(maps), raising=False)
-    monkeypatch.setattr(cudnn, "_ctypes_version", lambda path: "9.19.0")
-    libs = cudnn.mapped_cudnn_libraries()
+    monkeypatch.setattr(cudnn_route, "open", lambda path: io.StringIO(maps), raising=False)
+    monkeypatch.setattr(cudnn_route, "_ctypes_version", lambda path: "9.19.0")
+    libs = cudnn_route.mapped_cudnn_libraries()
     assert [(lib.version, lib.source) for lib in libs] == [
         ("9.14", "file name"), ("9.19", "real path"), ("9.19.0", "cudnnGetVersion"),
         ("9", "file name"), ("9.20.0.56", "nvidia-cudnn wheel"),
     ]  # fmt: skip
     assert len(set(libs)) == 5  # frozen, so hashable
-    monkeypatch.setattr(cudnn, "open", lambda path: open(tmp_path / "none"), raising=False)
-    assert cudnn.mapped_cudnn_libraries() is None  # maps unreadable
+    monkeypatch.setattr(cudnn_route, "open", lambda path: open(tmp_path / "none"), raising=False)
+    assert cudnn_route.mapped_cudnn_libraries() is None  # maps unreadable
 
 
 @pytest.mark.parametrize(
@@ -284,7 +421,7 @@ def test_exported_names_within_the_first_64_mib(tmp_path: Path, offset: int, fou
         f.write(b"\x7fELF")
         f.seek(offset)
         f.write(b"\0cudnnGetVersion\0")
-    names = cudnn._elf_symbols(str(tmp_path / "lib.so"), (b"cudnnGetVersion", b"x"))
+    names = cudnn_route._elf_symbols(str(tmp_path / "lib.so"), (b"cudnnGetVersion", b"x"))
     assert names == ({b"cudnnGetVersion"} if found else set())
 
 
@@ -294,24 +431,31 @@ def test_exported_names_within_the_first_64_mib(tmp_path: Path, offset: int, fou
 def test_a_loaded_build_that_answers_wrong_is_refused(
     monkeypatch: pytest.MonkeyPatch, answer: Optional[str], said: str
 ) -> None:
-    """libcudnn.so.9, loaded last, is the file asked and named."""
-    monkeypatch.setattr(cudnn, "_ctypes_version", {"/x/libcudnn.so.9": answer}.__getitem__)
-    build = cudnn.CudnnBuild("/x", (9, 19, 0) if answer else None, "given", "header")
-    with pytest.raises(cudnn.CudnnRefused, match=re.escape(said.format("/x/libcudnn.so.9"))):
-        cudnn._check_loaded(build, ["/x/libcudnn_ops.so.9", "/x/libcudnn.so.9"])
+    """libcudnn.so.9, loaded last, is the file asked and named; the way out names how the
+    build was asked for."""
+    monkeypatch.setattr(cudnn_route, "_ctypes_version", {"/x/libcudnn.so.9": answer}.__getitem__)
+    build = cudnn_route.CudnnBuild("/x", (9, 19, 0) if answer else None, "given", "header")
+    with pytest.raises(CudnnRefused, match=re.escape(said.format("/x/libcudnn.so.9"))) as err:
+        cudnn_route._check_loaded(build, ["/x/libcudnn_ops.so.9", "/x/libcudnn.so.9"], "ASKED")
+    assert str(err.value).endswith("so start a new process without ASKED")
 
 
 def test_a_new_process_has_no_route(monkeypatch: pytest.MonkeyPatch) -> None:
     """The route's record as a process starts with it, and as _reset_route leaves it."""
-    spec = importlib.util.spec_from_file_location("te_gqa_fix.stack._cudnn_copy", cudnn.__file__)
+    spec = importlib.util.spec_from_file_location(
+        "te_gqa_fix._cudnn_route_copy", cudnn_route.__file__
+    )
     fresh = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, fresh)  # type: ignore[union-attr]
     spec.loader.exec_module(fresh)  # type: ignore[union-attr]
-    cudnn._route.update(setting="auto", strict=True, loaded=("x",), seen=("y",))
-    cudnn._reset_route()
-    none = dict.fromkeys(("setting", "chosen", "chosen_version", "error", "te_cudnn", "verified"))
+    cudnn_route._route.update(setting="auto", strict=True, loaded=("x",), seen=("y",), warning="w")
+    cudnn_route._reset_route()
+    none = dict.fromkeys(
+        ("setting", "chosen", "chosen_version", "chosen_measured", "error", "warning",
+         "te_cudnn", "verified")
+    )  # fmt: skip
     expected = {**none, "strict": False, "loaded": (), "seen": ()}
-    assert cudnn.route_state() == fresh.route_state() == expected
+    assert cudnn_route.route_state() == fresh.route_state() == expected
 
 
 @pytest.mark.parametrize(
@@ -329,70 +473,66 @@ def test_file_name_version(
         (tmp_path / f"libcudnn.so.{name}").write_bytes(b"")
     if link:
         (tmp_path / "libcudnn.so.9").symlink_to(f"libcudnn.so.{link}")
-    assert cudnn._file_name_version(str(tmp_path)) == expected
-
-
-@pytest.mark.parametrize(
-    "version, fixed",
-    [((9, 17, 9), False), ((9, 18, 0), True), ((9, 99, 9), True), ((10, 0, 0), False),
-     ((10,), False), ((8, 9, 7), False), (None, False)],
-)  # fmt: skip
-def test_fixed_means_9_18_or_newer_within_cudnn_9(version, fixed: bool) -> None:
-    build = cudnn.CudnnBuild("/x", version, "wheel", "header")
-    assert build.fixed is fixed and isinstance(hash(build), int)  # frozen, so hashable
-    assert cudnn.choose_fixed([build]) is (build if fixed else None)
+    assert cudnn_route._file_name_version(str(tmp_path)) == expected
 
 
 @pytest.mark.parametrize(
     "te, strict, outcome",
-    [((9, 19, 0), True, True), ((9, 19, 1), True, ImportError), ((9, 19, 1), False, False),
-     ((9, 18, 0), False, False), (None, True, ImportError), (None, False, False)],
+    [((9, 19, 0), True, True), ((9, 19, 1), True, SetupError), ((9, 19, 1), False, False),
+     ((9, 18, 0), False, False), (None, True, SetupError), (None, False, False)],
 )  # fmt: skip
 def test_verify_compares_major_minor_and_patch(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, te, strict: bool, outcome
 ) -> None:
     """A mismatch fails TE's import when strict, else it is logged (TE imported through the
-    route: test_auto_loads_the_fixed_build_before_te_and_te_runs_it)."""
-    build = cudnn.CudnnBuild("/x", (9, 19, 0), "wheel", "header")
-    cudnn._route.update(chosen=build, loaded=("/x/libcudnn.so.9",), strict=strict)
-    monkeypatch.setattr(cudnn, "te_cudnn_version", lambda: te)
+    route: test_the_route_at_start_up)."""
+    build = cudnn_route.CudnnBuild("/x", (9, 19, 0), "wheel", "header")
+    cudnn_route._route.update(
+        chosen=build, loaded=("/x/libcudnn.so.9",), strict=strict, setting=f"{ENV}='auto'"
+    )
+    monkeypatch.setattr(cudnn_route, "te_cudnn_version", lambda: te)
     runs = ".".join(map(str, te or ())) or "unknown"
-    said = rf"loaded cuDNN 9\.19\.0 from /x, but Transformer Engine runs cuDNN {runs}"
-    if outcome is ImportError:
-        with pytest.raises(ImportError, match=said):
-            cudnn.verify_te_cudnn()
+    said = rf"^{ENV}='auto' loaded cuDNN 9\.19\.0 from /x, but Transformer Engine runs cuDNN {runs}"
+    if outcome is SetupError:
+        with pytest.raises(SetupError, match=said):
+            cudnn_route.verify_te_cudnn()
     else:
         with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
-            assert cudnn.verify_te_cudnn() is outcome
-        assert bool(re.search(said + "; the post-pass still guards", caplog.text)) is not outcome
-    assert cudnn.route_state()["verified"] is (outcome is True)
+            assert cudnn_route.verify_te_cudnn() is outcome
+        said = said[1:] + "; the post-pass still guards"
+        assert bool(re.search(said, caplog.text)) is not outcome
+    assert cudnn_route.route_state()["verified"] is (outcome is True)
 
 
 def test_te_cudnn_version_never_imports_te(fake_te: Path) -> None:
-    assert cudnn.te_cudnn_version() is None and "transformer_engine.pytorch" not in sys.modules
+    assert cudnn_route.te_cudnn_version() is None
+    assert "transformer_engine.pytorch" not in sys.modules
     importlib.import_module("transformer_engine.pytorch")
-    assert cudnn.te_cudnn_version() == (9, 14, 0)
+    assert cudnn_route.te_cudnn_version() == (9, 14, 0)
 
 
 @pytest.mark.parametrize(
     "value, expected",
     [(None, (None, False)), ("", (None, False)), ("off", (None, False)), ("0", (None, False)),
-     ("auto", ("auto", False)), (" AUTO ", ("auto", False)), ("1", ("auto", False)),
+     ("disabled", (None, False)), ("auto", ("auto", False)), (" AUTO ", ("auto", False)),
+     ("1", ("auto", False)), ("enable", ("auto", False)), ("Enabled", ("auto", False)),
      ("strict", ("auto", True)), ("/opt/cudnn", ("/opt/cudnn", False)),
      ("strict:/opt/cudnn", ("/opt/cudnn", True)), ("./cudnn", ("./cudnn", False))],
 )  # fmt: skip
 def test_parse_setting(value: Optional[str], expected: Tuple[Optional[str], bool]) -> None:
-    assert cudnn.parse_setting(value) == expected
+    assert cudnn_route.parse_setting(value) == expected
 
 
 # ----------------------------------------------------------------------------- loading
 
 
 def run_python(code: str, env: Dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess:
-    """``code`` in a fresh interpreter in ``tmp_path``, ``src`` importable (after the paths
-    of ``env["PYTHONPATH_FIRST"]``), no TE_GQA_FIX* or FAKE_TE* variable but ``env``'s."""
+    """``code`` in a fresh interpreter in ``tmp_path`` that processes no installed start-up
+    file, ``src`` importable (after the paths of ``env["PYTHONPATH_FIRST"]``), no
+    TE_GQA_FIX* or FAKE_TE* variable but ``env``'s."""
     first = env.pop("PYTHONPATH_FIRST", "")
-    return run_code(code, child_env(first, SRC, drop=("TE_GQA_FIX", "FAKE_TE"), **env), tmp_path)
+    env = child_env(first, SRC, drop=("TE_GQA_FIX", "FAKE_TE"), **env)
+    return run_code(code, env, tmp_path, no_site=True)
 
 
 GLOBAL_VERSION = (
@@ -404,13 +544,13 @@ GLOBAL_VERSION = (
 
 @pytest.mark.parametrize("preload", [True, False])
 def test_the_first_global_copy_wins(builds: Dict[str, Path], tmp_path: Path, preload: bool) -> None:
-    """What the route relies on: loaded first, the fixed build answers even after the
-    system copy is loaded by path, as TE's loader does; without it the system copy does."""
+    """What the route relies on: loaded first, the build answers even after the system copy
+    is loaded by path, as TE's loader does; without it the system copy does."""
     system = builds["system"] / "lib" / "libcudnn.so.9"
     code = (
         "import ctypes, os\n"
         + (
-            f"from te_gqa_fix.stack.cudnn import use_fixed_cudnn\n"
+            "from te_gqa_fix.cudnn_route import use_fixed_cudnn\n"
             f"b = use_fixed_cudnn('auto', search_path=[{str(builds['fixed'])!r}])\n"
             if preload
             else ""
@@ -425,41 +565,46 @@ def test_the_first_global_copy_wins(builds: Dict[str, Path], tmp_path: Path, pre
 def test_refuses_once_a_cudnn_is_loaded(builds: Dict[str, Path], tmp_path: Path) -> None:
     """Three files of another build are named, a fourth as "..."; the same build twice is
     fine; asking a library its version never loads it."""
-    fixed = builds["fixed"] / "nvidia" / "cudnn" / "lib"
+    fixed = _lib(builds, "fixed")
     files = [str(fixed / f"{n}.so.9") for n in ("libcudnn", *fb.SUB_LIBRARIES[:3])]
     code = (
-        "import ctypes\nfrom te_gqa_fix.stack import cudnn\n"
-        f"print('ASKED', cudnn._ctypes_version({files[0]!r}))\n"
+        "import ctypes\nfrom te_gqa_fix import cudnn_route\n"
+        "from te_gqa_fix.errors import CudnnAlreadyLoaded\n"
+        f"print('ASKED', cudnn_route._ctypes_version({files[0]!r}))\n"
         f"for path in {files!r}:\n"
         "    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)\n"
         "    if path != " + repr(files[0]) + ":\n"
         "        try:\n"
-        f"            cudnn.use_fixed_cudnn('auto', search_path=[{str(builds['newest'])!r}])\n"
-        "        except cudnn.CudnnAlreadyLoaded as exc:\n"
+        f"            cudnn_route.use_fixed_cudnn({str(_lib(builds, 'unmeasured'))!r})\n"
+        "        except CudnnAlreadyLoaded as exc:\n"
         "            print('REFUSED', str(exc).split('), so')[0])\n"
-        f"print('ASKED', cudnn._ctypes_version({files[0]!r}))\n"
-        f"cudnn.use_fixed_cudnn({str(fixed)!r})\nprint('SAME OK')\n"
+        f"print('ASKED', cudnn_route._ctypes_version({files[0]!r}))\n"
+        f"cudnn_route.use_fixed_cudnn({str(fixed)!r})\nprint('SAME OK')\n"
     )
     proc = run_python(code, {}, tmp_path)
     refused = [ln for ln in proc.stdout.splitlines() if ln.startswith("REFUSED")]
     shown = [(r.count(str(fixed)), r.endswith(" ...")) for r in refused]
-    assert shown == [(2, False), (3, False), (3, True)]
+    assert shown == [(2, False), (3, False), (3, True)], proc.stdout + proc.stderr
     assert "ASKED None" in proc.stdout and "ASKED 9.19.0" in proc.stdout
     assert "SAME OK" in proc.stdout
+    assert issubclass(CudnnAlreadyLoaded, RuntimeError)
 
 
 @pytest.mark.skipif(fb.compiler() is None, reason="needs a C compiler")
 @pytest.mark.parametrize(
     "version, suffix, strict, printed",
     [
-        # no version on disk: loaded (not strict), then asked
-        ((9, 21, 0), "9", False, "VERSION (9, 21, 0) cudnnGetVersion 9.21.0"),
-        ((9, 14, 0), "9", False, "NONE te_gqa_fix: cuDNN 9.14.0 in {lib} (version from its cudnnGetVersion) "
-         "is not a fixed build: the route loads cuDNN 9.18 or newer within cuDNN 9 (learned by "
-         "loading it); it is loaded in this process now"),
+        # no version on disk: loaded (not strict), then asked; not measured: said so
+        ((9, 21, 0), "9", False, "VERSION (9, 21, 0) cudnnGetVersion 9.21.0 unmeasured "
+         "{asked} loaded cuDNN 9.21.0 from {lib}, a build that was not "
+         "measured: the post-pass stays on for it"),
+        ((9, 14, 0), "9", False, "NONE cuDNN 9.14.0 in {lib} (version from its cudnnGetVersion) "
+         "is below 9.18 or not cuDNN 9: {asked} loads only builds with the "
+         "upstream fix (learned by loading it); it is loaded in this process now, so start a "
+         "new process without {asked}"),
         # a file name that lies: found out once loaded, said so
-        ((9, 14, 0), "9.19.0", True, "RAISED te_gqa_fix: {lib}/libcudnn.so.9 reports cuDNN "
-         "9.14.0, not the 9.19.0 its file name names; it is loaded in this process now"),
+        ((9, 14, 0), "9.19.0", True, "RAISED {lib}/libcudnn.so.9 reports cuDNN 9.14.0, not the "
+         "9.19.0 its file name names; it is loaded in this process now"),
     ],
 )  # fmt: skip
 def test_a_version_learned_by_loading_is_checked(
@@ -467,30 +612,31 @@ def test_a_version_learned_by_loading_is_checked(
 ) -> None:
     lib = fb.write_libs(tmp_path / "given" / "lib", version, suffix=suffix, subs=False)
     code = (
-        "import logging, sys\nfrom te_gqa_fix.stack import cudnn\n"
+        "import logging, sys\nfrom te_gqa_fix import cudnn_route\n"
         "logging.basicConfig(stream=sys.stdout, format='WARN %(message)s')\n"
         "try:\n"
-        f"    b = cudnn.use_fixed_cudnn({str(lib.parent)!r}, strict={strict})\n"
+        f"    b = cudnn_route.use_fixed_cudnn({str(lib.parent)!r}, strict={strict})\n"
         "except LookupError as exc:\n    print('RAISED', exc)\nelse:\n"
-        "    state = cudnn.route_state()\n"
-        "    print(*(('VERSION', b.version, b.how, state['chosen_version']) if b else "
-        "('NONE', state['error'])))\n"
+        "    state = cudnn_route.route_state()\n"
+        "    print(*(('VERSION', b.version, b.how, state['chosen_version'], "
+        "state['chosen_measured'], state['warning']) if b else ('NONE', state['error'])))\n"
     )
     proc = run_python(code, {}, tmp_path)
-    assert printed.format(lib=lib) in proc.stdout, proc.stdout + proc.stderr
+    asked = f"use_fixed_cudnn({shown(str(lib.parent))})"
+    assert printed.format(lib=lib, asked=asked) in proc.stdout, proc.stdout + proc.stderr
 
 
 # ----------------------------------------------------------------------------- start-up hook
 
 
-def _hook_env(builds: Dict[str, Path], tmp_path: Path, wheel: str, **env: str) -> Dict[str, str]:
+def _hook_env(builds: Dict[str, Path], tmp_path: Path, wheels: tuple, **env: str) -> Dict[str, str]:
     fake = fb.loader_te(tmp_path / "fake_te")
     site_dir = tmp_path / "site_dir"
     site_dir.mkdir(exist_ok=True)
     shutil.copy(PTH, site_dir / PTH.name)
     return {
-        # a wheel build is on sys.path, as an environment's site-packages is
-        "PYTHONPATH_FIRST": os.pathsep.join([str(fake), str(builds[wheel])]),
+        # wheel builds are on sys.path, as an environment's site-packages is
+        "PYTHONPATH_FIRST": os.pathsep.join([str(fake), *(str(builds[w]) for w in wheels)]),
         "FAKE_TE_SYSTEM_CUDNN": str(builds["system"] / "lib" / "libcudnn.so.9"),
         "SITE_DIR": str(site_dir),
         **env,
@@ -502,7 +648,7 @@ PROBE = (
     "logging.basicConfig(level=logging.INFO, format='LOG %(levelname)s %(message)s', stream=sys.stdout)\n"
     "site.addsitedir(os.environ['SITE_DIR'])\n"
     "early = {m: m in sys.modules for m in ('_te_gqa_fix_autopatch', 'te_gqa_fix.settings', "
-    "'te_gqa_fix.stack.cudnn', 'torch')}\n"
+    "'te_gqa_fix.cudnn_route', 'torch')}\n"
     "def mapped():\n"
     "    return sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libcudnn.so' in l})\n"
     "early_maps = mapped()\n"
@@ -513,123 +659,98 @@ PROBE = (
     "    te = list(get_cudnn_version())\n"
     "except ImportError as exc:\n"
     "    te, err = None, str(exc)\n"
-    "route = sys.modules['te_gqa_fix.stack.cudnn'].route_state() if 'te_gqa_fix.stack.cudnn' in sys.modules "
-    "else None\n"
+    "route = sys.modules['te_gqa_fix.cudnn_route'].route_state() "
+    "if 'te_gqa_fix.cudnn_route' in sys.modules else None\n"
     "print('PROBE' + json.dumps(dict(early=early, early_maps=early_maps, te=te, err=err, "
     "maps=mapped(), route=route)))\n"
 )
 
+#: (TE_GQA_FIX_CUDNN, the wheel sites installed, TE_GQA_FIX_AUTOPATCH too) -> the cuDNN TE
+#: runs, whether the route warns that the post-pass stays on. "{unmeasured}": 9.24's folder.
+AT_START_UP = [
+    ("auto", ("fixed", "unmeasured"), False, (9, 19, 0), False),
+    ("strict", ("fixed", "unmeasured"), False, (9, 19, 0), False),
+    ("enable", ("fixed", "unmeasured"), True, (9, 19, 0), False),
+    ("auto", ("unmeasured",), False, (9, 24, 0), True),
+    ("strict:{unmeasured}", ("unmeasured",), False, (9, 24, 0), True),
+    ("{unmeasured}", ("fixed", "unmeasured"), False, (9, 24, 0), True),
+]
 
-@pytest.mark.parametrize("value", ["auto", "strict", "auto, and TE_GQA_FIX_AUTOPATCH=1"])
-def test_auto_loads_the_fixed_build_before_te_and_te_runs_it(
-    builds: Dict[str, Path], tmp_path: Path, value: str
+
+@pytest.mark.parametrize(
+    "value, wheels, autopatch, runs, warns",
+    AT_START_UP,
+    ids=["auto", "strict", "enable+autopatch", "auto-unmeasured", "strict:folder", "folder"],
+)
+def test_the_route_at_start_up(
+    builds: Dict[str, Path], tmp_path: Path, value, wheels, autopatch, runs, warns
 ) -> None:
-    """With the patch too, as a job that wants both (the patch hook fires on a fake TE
-    without the symbol), the route still loads the fixed build before TE."""
-    both = {"TE_GQA_FIX_AUTOPATCH": "1"} if "AUTOPATCH" in value else {}
-    env = _hook_env(builds, tmp_path, "fixed", **{cudnn.ENV_CUDNN: value.split(",")[0], **both})
-    proc = run_python(PROBE, env, tmp_path)
+    """Issue #54: ``auto`` moves TE onto 9.19 (measured right), not onto the newer 9.24
+    (not measured); where 9.24 is the only build installed, ``auto`` loads it with a
+    WARNING that the post-pass stays on; a folder named loads it (strict too). With the
+    patch as well, as a job that wants both (the patch hook fires on a fake TE without the
+    symbol), the route still loads its build before TE."""
+    value = value.format(unmeasured=_lib(builds, "unmeasured"))
+    env = {ENV: value, **({"TE_GQA_FIX_AUTOPATCH": "1"} if autopatch else {})}
+    proc = run_python(PROBE, _hook_env(builds, tmp_path, wheels, **env), tmp_path)
     out = probed(proc)
     # At start-up only the stdlib hook and the settings are imported, nothing is loaded yet.
     assert out["early"] == {
         "_te_gqa_fix_autopatch": True,
         "te_gqa_fix.settings": True,
-        "te_gqa_fix.stack.cudnn": False,
+        "te_gqa_fix.cudnn_route": False,
         "torch": False,
     }
     assert out["early_maps"] == []
-    assert out["te"] == [9, 19, 0], proc.stdout + proc.stderr
-    assert out["route"]["chosen_version"] == "9.19.0"
-    assert out["route"]["verified"] is True and out["route"]["te_cudnn"] == "9.19.0"
-    assert any("site_fixed" in p for p in out["maps"])
-    assert "loaded cuDNN 9.19.0" in proc.stdout
+    assert out["te"] == list(runs), proc.stdout + proc.stderr
+    route = out["route"]
+    assert route["chosen_version"] == cudnn_route.version_str(runs)
+    assert route["verified"] is True and route["te_cudnn"] == cudnn_route.version_str(runs)
+    assert route["setting"] == f"{ENV}={shown(value)}"
+    assert route["chosen_measured"] == ("unmeasured" if warns else "right")
+    site_dir = builds["unmeasured" if runs == (9, 24, 0) else "fixed"]
+    assert all(p.startswith(str(site_dir)) for p in out["maps"] if "sys" not in p)
+    if warns:
+        assert "the post-pass stays on" in route["warning"]
+        assert f"LOG WARNING {route['warning']}" in proc.stdout
+    else:
+        assert route["warning"] is None
+        assert "LOG INFO loaded cuDNN 9.19.0" in proc.stdout
 
 
-def test_auto_with_no_fixed_build_logs_and_te_keeps_its_cudnn(
-    builds: Dict[str, Path], tmp_path: Path
-) -> None:
-    """Strict: test_strict_failure_stays_a_failure_on_every_import."""
-    env = _hook_env(builds, tmp_path, "old", **{cudnn.ENV_CUDNN: "auto"})
-    proc = run_python(PROBE, env, tmp_path)
-    assert probed(proc)["te"] == [9, 14, 0]
-    assert "found no cuDNN >= 9.18" in proc.stdout and "9.14.0" in proc.stdout
-
-
+@pytest.mark.parametrize("wheels", [("old",), ("unmeasured",)])
 def test_strict_failure_stays_a_failure_on_every_import(
-    builds: Dict[str, Path], tmp_path: Path
+    builds: Dict[str, Path], tmp_path: Path, wheels: tuple
 ) -> None:
-    """A strict route that failed once must not let a retried import go on silently."""
-    env = _hook_env(builds, tmp_path, "old", **{cudnn.ENV_CUDNN: "strict"})
+    """A strict route that failed once must not let a retried import go on silently; the
+    error names the setting as the user gave it (issue #53), and strict refuses 9.24, not
+    measured, found by auto (issue #54)."""
+    env = _hook_env(builds, tmp_path, wheels, **{ENV: "strict"})
     code = (
         "import os, site\nsite.addsitedir(os.environ['SITE_DIR'])\n"
         "for attempt in (1, 2):\n"
         "    try:\n"
         "        import transformer_engine.pytorch\n"
         "    except ImportError as exc:\n"
-        "        print('RAISED', attempt, 'found no cuDNN >= 9.18' in str(exc), 'pip' in str(exc))\n"
+        "        print('RAISED', attempt, repr(str(exc)))\n"
         "    else:\n"
         "        print('IMPORTED', attempt)\n"
     )
     proc = run_python(code, env, tmp_path)
-    assert "RAISED 1 True True" in proc.stdout and "RAISED 2 True True" in proc.stdout, proc.stdout
+    raised = [ln for ln in proc.stdout.splitlines() if ln.startswith("RAISED")]
+    assert len(raised) == 2, proc.stdout + proc.stderr
+    why = "found no cuDNN wheel it may load" if wheels == ("old",) else "was not measured"
+    for line in raised:
+        assert f"{ENV}='strict'" in line and why in line and "auto'" not in line, line
+        assert "pip install" in line
 
 
-# ----------------------------------------------------------------------------- the rule
-
-
-H, OLD = (9, 0), (9, 14, 0)
-
-
-@pytest.mark.parametrize(
-    "capability, cudnn_v, dims, status",
-    [(H, OLD, (None, None), "affected"), (H, OLD, (128, 128), "affected"),
-     (H, OLD, (64, 64), "affected"), (H, OLD, (192, 128), "affected"),  # MLA: clean on 9.14
-     (H, OLD, (192, 192), "unrepairable"), (H, OLD, (256, 256), "unrepairable"),
-     (H, OLD, (256, 128), "unrepairable"), (H, OLD, (128, 256), "unrepairable"),
-     (H, (9, 17, 9), (64, 64), "affected"), (H, (8, 9, 7), (None, None), "affected"),
-     # Between measured builds: the older one's live rows, the post-pass on dead rows.
-     (H, (9, 18, 0), (None, None), "affected"), (H, (9, 18, 0), (256, 256), "unrepairable"),
-     (H, (9, 19, 0), (256, 256), "not_affected"), (H, (9, 19, 2), (None, None), "not_affected"),
-     (H, (9, 19, 0), (256, 128), "unrepairable"), (H, (9, 22, 0), (128, 128), "affected"),
-     (H, (9, 22, 0), (256, 256), "affected"), (H, (9, 22, 0), (256, 128), "unrepairable"),
-     (H, (9, 27, 0), (256, 128), "not_affected"),
-     (H, (9, 31, 0), (256, 128), "not_affected"),  # newer: judged as the newest measured
-     ((8, 0), OLD, (256, 256), "not_affected"), ((10, 0), OLD, (256, 256), "not_affected"),
-     ((10, 0), (9, 10, 0), (None, None), "not_affected"), (None, OLD, (256, 256), "unknown"),
-     (H, None, (256, 256), "unknown"), (H, None, (None, None), "unknown")],
-)  # fmt: skip
-def test_rule_table(monkeypatch: pytest.MonkeyPatch, capability, cudnn_v, dims, status) -> None:
-    """The verdict (saying so where the build was not measured), and where it is
-    unrepairable a message naming the configuration and the remedy (no fixed build installed
-    here: the pip install of the newest build measured right)."""
-    v = affected.verdict(capability, cudnn_v, *dims)
-    assert v.status == status and v.reasons
-    measured = None in (capability, cudnn_v) or capability[0] != 9 or cudnn_v[:2] in (
-        (9, 14), (9, 19), (9, 27))  # fmt: skip
-    assert ("not measured" in " ".join(v.reasons)) is not measured, v.reasons
-    _facts(monkeypatch, capability, cudnn_v)
-    assert affected.cudnn_fixed(0) is (cudnn_v is not None and cudnn_v >= (9, 18))
-    monkeypatch.setattr(affected, "find_wheel_builds", lambda search_path=None: [])
-    msg = affected.why_unrepairable(0, *dims) if dims[0] else None
-    assert (msg is not None) is (status == "unrepairable")
-    if msg is not None:
-        assert f"head dim {dims[0]}" in msg and "sm90" in msg
-        assert f"cuDNN {'.'.join(map(str, cudnn_v))}" in msg
-        assert "pip install 'nvidia-cudnn-cu12>=9.27'" in msg, msg
-
-
-def _facts(monkeypatch: pytest.MonkeyPatch, capability, cudnn_v) -> None:
-    monkeypatch.setattr(
-        affected, "runtime_facts", lambda index=None: RuntimeFacts(capability, cudnn_v)
-    )
-
-
-def test_remedy_names_the_installed_fixed_build(monkeypatch: pytest.MonkeyPatch) -> None:
-    _facts(monkeypatch, (9, 0), (9, 14, 0))
-    build = cudnn.CudnnBuild("/env/site-packages/nvidia/cudnn/lib", (9, 19, 0), "wheel", "header")
-    monkeypatch.setattr(affected, "find_wheel_builds", lambda search_path=None: [build])
-    msg = affected.why_unrepairable(0, 256, 256)
-    assert msg is not None and "TE_GQA_FIX_CUDNN=auto" in msg
-    assert "cuDNN 9.19.0 is installed at /env/site-packages/nvidia/cudnn/lib" in msg
-    msg = affected.why_unrepairable(0, 256, 128)  # 9.19 is wrong there too: not the remedy
-    assert msg is not None and "nvidia-cudnn-cu13>=9.27" in msg and "installed" not in msg
+def test_auto_with_no_build_it_may_load_logs_and_te_keeps_its_cudnn(
+    builds: Dict[str, Path], tmp_path: Path
+) -> None:
+    """Strict: test_strict_failure_stays_a_failure_on_every_import."""
+    env = _hook_env(builds, tmp_path, ("old",), **{ENV: "auto"})
+    proc = run_python(PROBE, env, tmp_path)
+    assert probed(proc)["te"] == [9, 14, 0]
+    assert f"{ENV}='auto' found no cuDNN wheel it may load" in proc.stdout
+    assert "9.14.0 wrong" in proc.stdout

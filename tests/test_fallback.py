@@ -1,10 +1,16 @@
-"""The exact fallback (``te_gqa_fix.fallback``) on CPU: its segments, its mask mapping and,
+"""The exact fallback (``te_gqa_fix.fallback``) on CPU: its mask mapping, its decision and,
 end to end, its gradients with FlashAttention-2's varlen entry points replaced by a CPU
-emulation of their semantics. After the post-pass they must equal the fp32 reference."""
+emulation of their semantics. After the post-pass they must equal the fp32 reference, and
+be exactly 0 wherever the true gradient is. The split's row moves
+(``te_gqa_fix.fallback._row_moves``): the PyTorch path against the rule written out row by
+row, and the Triton kernel against the PyTorch path, byte for byte (under Triton's
+interpreter in one child process, this file run as a script; compiled in the ``gpu`` test).
+"""
 
 from __future__ import annotations
 
 import enum
+import importlib.util
 import inspect
 import itertools
 import logging
@@ -15,9 +21,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import pytest
 import torch
 
+from fakes import background
+from fakes.interpreter import results, start_checks, worker_main
 from te_gqa_fix import fallback
+from te_gqa_fix._te import OFFSET_NAMES, Args, Signature
+from te_gqa_fix.fallback._row_moves import move_rows
 from te_gqa_fix.postpass import zero_dead_rows
-from te_gqa_fix.testing import (
+from thd import (
     ThdBatch,
     attention_mask,
     dead_masks,
@@ -25,6 +35,7 @@ from te_gqa_fix.testing import (
     make_batch,
     random_inputs,
     reference_attention,
+    tolerance,
 )
 
 MASKS = (
@@ -67,8 +78,16 @@ def _fa2_allowed(lq: int, lk: int, left: int, right: int) -> torch.Tensor:
     return ok
 
 
-def _segments_of(cu_q: torch.Tensor, cu_k: torch.Tensor):
+def _segments_of(cu_q: torch.Tensor, cu_k: torch.Tensor, rows_q: int, rows_k: int):
+    """Segment b: q rows ``[cu_q[b], cu_q[b+1])`` with k rows ``[cu_k[b], cu_k[b+1])``. The
+    offsets must lie in their buffers, non-decreasing: FlashAttention-2 reads and writes
+    those rows unchecked (a Python slice would clamp silently)."""
     q, k = cu_q.tolist(), cu_k.tolist()
+    assert len(q) == len(k) >= 2, (q, k)
+    for off, rows in ((q, rows_q), (k, rows_k)):
+        assert off == sorted(off) and off[0] >= 0 and off[-1] <= rows, (
+            f"FlashAttention-2 would touch rows outside a buffer of {rows}: {off}"
+        )
     return list(zip(q[:-1], q[1:], k[:-1], k[1:]))
 
 
@@ -94,9 +113,9 @@ class FlashEmulation:
             assert q.shape[0] == cu_q.numel() - 1, "max_q == 1: q is not one row a segment"
         out = torch.full_like(q, float("nan"))
         lse = torch.full((q.shape[1], q.shape[0]), float("nan"))
-        for a, e, ka, ke in _segments_of(cu_q, cu_k):
+        for a, e, ka, ke in _segments_of(cu_q, cu_k, q.shape[0], k.shape[0]):
             lq, lk = e - a, ke - ka
-            if lq <= 0 or lq > max_q or lk < 0 or lk > max_k:
+            if lq <= 0 or lq > max_q or lk > max_k:
                 continue
             qs, ks, vs = _seg(q, a, e, 1), _seg(k, ka, ke, group), _seg(v, ka, ke, group)
             s = torch.einsum("ihd,jhd->hij", qs, ks) * kw["scale"]
@@ -114,13 +133,14 @@ class FlashEmulation:
         assert dropout_p == 0.0 and len(rest) == 2
         self.rng.append(rest)
         assert q.shape[-1] == v.shape[-1] == d_o.shape[-1] == out.shape[-1], "one head dim"
+        assert out.shape == q.shape and d_o.shape == q.shape, (out.shape, q.shape)
         assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
         left, right = _fa2_window(max_q, max_k, is_causal, *_kw_window(kw), forward=False)
         group = q.shape[1] // k.shape[1]
         dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
-        for a, e, ka, ke in _segments_of(cu_q, cu_k):
+        for a, e, ka, ke in _segments_of(cu_q, cu_k, q.shape[0], k.shape[0]):
             lq, lk = e - a, ke - ka
-            if lq < 0 or lk < 0 or lq > max_q or lk > max_k:
+            if lq > max_q or lk > max_k:
                 continue
             qs, dos, os_ = _seg(q, a, e, 1), _seg(d_o, a, e, 1), _seg(out, a, e, 1)
             ks, vs = _seg(k, ka, ke, group), _seg(v, ka, ke, group)
@@ -189,7 +209,7 @@ def _call(
         stats = torch.full((stats_rows, batch.heads_q, 1), float("nan"))
         live = live_q_rows(batch)
         stats[: batch.rows_q][live] = ref["lse"][live].unsqueeze(-1)
-        o, aux = ref["o"], [stats, torch.zeros(2, dtype=torch.int64)]
+        o, aux = ref["o"].to(batch.dtype), [stats, torch.zeros(2, dtype=torch.int64)]
     max_q, max_k = batch.max_seqlens()
     if tight:  # the least bound TE may pass: the longest valid sequence
         max_q, max_k = max(batch.lq, default=0), max(batch.lk, default=0)
@@ -206,74 +226,66 @@ def _call(
     return {**call, **extra}
 
 
-def _batch(lq, lk, heads=(4, 2), dim=8, seed=0, dtype=torch.float32, **kw) -> ThdBatch:
+def _args(call: Dict[str, Any]) -> Args:
+    """The call's :class:`Args` as the wrapper hands them over (absent names None)."""
+    return Args(**{name: call.get(name) for name in Args._fields})
+
+
+def _decide(call: Dict[str, Any]) -> Any:
+    """The fallback's decision for a call (TE >= 2.12 where it has bottom_right_diagonal)."""
+    return fallback.decide(_args(call), "bottom_right_diagonal" in call)
+
+
+def _batch(
+    lq, lk, heads=(4, 2), dim=8, seed=0, dtype=torch.float32, more_rows=(0, 0), **kw
+) -> ThdBatch:
+    """A batch with random inputs; ``more_rows`` adds rows at the end of q's, kv's buffer."""
     batch = make_batch(lq, lk, heads_q=heads[0], heads_kv=heads[1], head_dim=dim, dtype=dtype, **kw)
+    batch.rows_q += more_rows[0]
+    batch.rows_kv += more_rows[1]
     random_inputs(batch, device="cpu", seed=seed)
     return batch
 
 
-# ------------------------------------------------------------------------ segments
-def _labels_from_offsets(off: List[int], rows: int) -> List[Optional[int]]:
-    """Row -> the sequence whose segment holds it (segment 2b + 1), None for other segments."""
-    labels: List[Optional[int]] = []
-    for t in range(rows):
-        (s,) = [i for i in range(len(off) - 1) if off[i] <= t < off[i + 1]]
-        labels.append((s - 1) // 2 if s % 2 else None)
-    return labels
+def _check(batch: ThdBatch, call: Dict[str, Any], out: Sequence[Any]) -> None:
+    """TE's return shape; after the post-pass, every row the fp32 reference's within the
+    gradients' precision, and exactly 0 wherever the true gradient is 0."""
+    assert len(out) == 5 and out[3] is None and out[4] is None
+    dq, dk, dv = out[:3]
+    assert dq.shape == call["q"].shape and dk.shape == call["k"].shape
+    assert dv.shape == call["v"].shape and dq.dtype == call["q"].dtype
+    pads = (call["cu_seqlens_q_padded"], call["cu_seqlens_kv_padded"])
+    zero_dead_rows(
+        dq, dk, dv, call["cu_seqlens_q"], call["cu_seqlens_kv"], *pads,
+        attn_mask_type=batch.mask, window_size=batch.window,
+        bottom_right_diagonal=batch.bottom_right_diagonal, impl="torch",
+    )  # fmt: skip
+    refs = {"fp32": reference_attention(batch)}
+    if batch.dtype != torch.float32:
+        refs["same"] = reference_attention(batch, batch.dtype)
+    live_kv = _live_kv_rows(batch)
+    for name, got, live in zip(GRADS, (dq, dk, dv), (live_q_rows(batch), live_kv, live_kv)):
+        assert torch.isfinite(got).all(), name
+        ref = refs["fp32"][name]
+        if got.dtype == torch.float32:
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5, msg=name)
+        else:  # flash-attention's bound: twice the same computation's error in the dtype
+            err, same = ((t.float() - ref).abs().max().item() for t in (got, refs["same"][name]))
+            bound = tolerance(same, ref.abs().max().item(), got.dtype)
+            assert err <= bound, (name, err, bound)
+        assert not got[~live].any(), (name, (~live).nonzero().flatten().tolist())
 
 
-def _random_layout(rng: random.Random) -> Tuple[List[int], List[int], Dict[str, Any]]:
-    n = rng.randint(1, 5)
-    lq = [rng.choice([0, 0, 1, 2, 5, 9]) for _ in range(n)]
-    lk = [rng.choice([0, 0, 1, 3, 7]) for _ in range(n)]
-    kw = dict(
-        gap_q=[rng.choice([0, 0, 1, 4]) for _ in range(n)],
-        gap_kv=[rng.choice([0, 0, 2, 6]) for _ in range(n)],
-        lead=rng.choice([0, 0, 3]),
-        tail=rng.choice([0, 0, 2]),
-    )
-    return lq, lk, kw
+GRADS = ("dq", "dk", "dv")
 
 
-def test_segments_match_brute_force() -> None:
-    """Every row of both buffers lies in exactly one segment; sequence b's valid rows, and
-    only those, lie in segment 2b + 1 (padded offsets given, or None = the valid ones)."""
-    rng = random.Random(0)
-    for case in range(300):
-        lq, lk, kw = _random_layout(rng)
-        padded = case % 3 != 0
-        if not padded:
-            kw.update(gap_q=0, gap_kv=0, lead=0)
-        batch = make_batch(lq, lk, heads_q=1, heads_kv=1, head_dim=8, dtype=torch.float32, **kw)
-        call = {**batch.offsets("cpu"), "q": None}
-        if not padded:
-            call["cu_seqlens_q_padded"] = call["cu_seqlens_kv_padded"] = None
-        start_q, len_q, start_k, len_k = fallback._sequences(call)
-        for start, length, rows, pad, lens in (
-            (start_q, len_q, batch.rows_q, batch.pad_q, lq),
-            (start_k, len_k, batch.rows_kv, batch.pad_kv, lk),
-        ):
-            off = fallback._varlen_offsets(start, start + length, rows)
-            assert off.dtype == torch.int32 and off.numel() == 2 * len(lens) + 2
-            got = off.tolist()
-            assert got[0] == 0 and got[-1] == rows and got == sorted(got), (case, got)
-            want: List[Optional[int]] = [None] * rows
-            for b, (p, n) in enumerate(zip(pad, lens)):
-                want[p : p + n] = [b] * n
-            assert _labels_from_offsets(got, rows) == want, (case, lq, lk, kw, got)
-
-
-def test_segments_keep_impossible_offsets_inside_the_buffer() -> None:
-    """Offsets TE should never pass (negative, decreasing, past the end) still give
-    non-decreasing segment offsets within [0, rows]: FlashAttention-2 reads no other memory."""
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(200):
-        lo = torch.randint(-20, 60, (6,), generator=gen, dtype=torch.int32)
-        hi = lo + torch.randint(-10, 30, (6,), generator=gen, dtype=torch.int32)
-        off = fallback._varlen_offsets(lo, hi, 40).tolist()
-        assert off[0] == 0 and off[-1] == 40 and off == sorted(off) and max(off) <= 40
-        off = fallback._segments({"cu_seqlens_q": lo}, "q", True, 40).tolist()  # back to back
-        assert off == sorted(off) and min(off) >= 0 and max(off) <= 40, off
+def _live_kv_rows(batch: ThdBatch) -> torch.Tensor:
+    """Key rows at least one query attends (elsewhere dK and dV are 0 by definition)."""
+    live = torch.zeros(batch.rows_kv, dtype=torch.bool)
+    for start, lq, lk in zip(batch.pad_kv, batch.lq, batch.lk):
+        if lq and lk:
+            live[start : start + lk] = attention_mask(lq, lk, batch).any(dim=0)
+    return live
 
 
 # ----------------------------------------------------------------------- mask mapping
@@ -326,34 +338,19 @@ def test_mask_mapping_matches_brute_force(mask: str) -> None:
                 offsets, attn_mask_type=mask, window_size=window, bottom_right_diagonal=brd,
                 max_seqlen_q=bounds[0], max_seqlen_kv=bounds[1],
             )  # fmt: skip
-            plan = fallback._mask_reason(fallback.call_facts(call))
+            a = _args(call)
+            plan = fallback._mask_reason(a, True)
             expected = _expected_decline(mask, window, brd, one)
             case = (mask, window, brd, lq, lk, one, tight)
             assert isinstance(plan, str) == (expected is not None), (case, plan)
             if expected is not None:
                 assert expected in plan, (case, plan)
                 continue
-            got = _fa2_mask(lq, lk, plan, *fallback._bounds(call))
+            got = _fa2_mask(lq, lk, plan, *fallback._bounds(a))
             assert torch.equal(got, attention_mask(lq, lk, batch)), (case, plan, got)
 
 
 # ------------------------------------------------------------------------ end to end
-def _check(batch: ThdBatch, call: Dict[str, Any], out: Sequence[Any]) -> None:
-    assert len(out) == 5 and out[3] is None and out[4] is None
-    dq, dk, dv = out[:3]
-    assert dq.shape == call["q"].shape and dk.shape == call["k"].shape
-    pads = (call["cu_seqlens_q_padded"], call["cu_seqlens_kv_padded"])
-    zero_dead_rows(
-        dq, dk, dv, call["cu_seqlens_q"], call["cu_seqlens_kv"], *pads,
-        attn_mask_type=batch.mask, window_size=batch.window,
-        bottom_right_diagonal=batch.bottom_right_diagonal, impl="torch",
-    )  # fmt: skip
-    ref = reference_attention(batch)
-    for name, got in zip(("dq", "dk", "dv"), (dq, dk, dv)):
-        assert torch.isfinite(got).all(), name
-        torch.testing.assert_close(got, ref[name], rtol=1e-4, atol=1e-5, msg=name)
-
-
 LAYOUTS = [  # (lq, lk, gaps and lead/tail rows)
     ([5, 0, 7, 3, 0], [6, 4, 0, 3, 0], dict(gap_q=[2, 0, 3, 9, 1], gap_kv=[0, 5, 1, 0, 2])),
     ([9, 2, 0, 6], [3, 8, 5, 6], dict(gap_q=[0, 4, 2, 0], gap_kv=[3, 0, 0, 7], lead=4, tail=3)),
@@ -375,6 +372,8 @@ CASES = [  # (mask, window, bottom_right_diagonal)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}")
 @pytest.mark.parametrize("layout", range(len(LAYOUTS)))
 def test_exact_backward_matches_reference(emulated, case, layout, heads=(4, 2)) -> None:
+    """Sequences without queries, without keys, without both; padding between sequences,
+    before the first and after the last; TE-rounded and least bounds."""
     lq, lk, kw = LAYOUTS[layout]
     mask, window, brd = case
     batch = _batch(lq, lk, heads, mask=mask, window=window, bottom_right_diagonal=brd, **kw)
@@ -392,6 +391,59 @@ def test_exact_backward_mqa_mha(emulated, case, layout, heads) -> None:
     test_exact_backward_matches_reference(emulated, case, layout, heads)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("stats", [False, True], ids=["forward", "tes-statistics"])
+def test_half_precision_within_its_tolerance(emulated, dtype, stats: bool) -> None:
+    """TE's own dtypes: within their rounding of the fp32 reference, exact zeros kept."""
+    lq, lk, kw = LAYOUTS[1]
+    batch = _batch(lq, lk, dtype=dtype, mask="padding_causal", **kw)
+    call = _call(batch, tight=True, stats_rows=batch.rows_q if stats else None)
+    _check(batch, call, fallback.exact_backward(call))
+
+
+def test_random_layouts(emulated) -> None:
+    """Random sequence lengths (zero too), gaps, lead and tail rows, with padded offsets,
+    without (None), and with the valid offsets passed as the padded ones (as
+    DotProductAttention does without padding): every live row in its own sequence."""
+    rng = random.Random(0)
+    for case in range(24):
+        n = rng.randint(1, 4)
+        lq = [rng.choice([0, 0, 1, 2, 5, 9]) for _ in range(n)]
+        lk = [rng.choice([0, 0, 1, 3, 7]) for _ in range(n)]
+        packing = ("padded", "none", "valid-as-padded")[case % 3]
+        kw: Dict[str, Any] = dict(lead=rng.choice([0, 3]), tail=rng.choice([0, 2]))
+        if packing == "padded":
+            kw.update(gap_q=[rng.choice([0, 1, 4]) for _ in range(n)])
+            kw.update(gap_kv=[rng.choice([0, 2, 6]) for _ in range(n)])
+        else:
+            kw["lead"] = 0
+        mask = rng.choice(["padding", "padding_causal", "padding_causal_bottom_right"])
+        batch = _batch(lq, lk, mask=mask, seed=case, **kw)
+        call = _call(batch, tight=bool(case % 2), padded=packing == "padded")
+        if packing == "valid-as-padded":
+            call["cu_seqlens_q_padded"] = call["cu_seqlens_q"]
+            call["cu_seqlens_kv_padded"] = call["cu_seqlens_kv"]
+        _check(batch, call, fallback.exact_backward(call))
+
+
+@pytest.mark.parametrize("mask", ["padding_causal", "padding_causal_bottom_right"])
+@pytest.mark.parametrize("stats", [False, True], ids=["forward", "tes-statistics"])
+@pytest.mark.parametrize("padded", [True, False])
+def test_impossible_offsets_stay_inside_the_buffers(emulated, mask, stats, padded) -> None:
+    """Offsets TE should never pass (negative, decreasing, past the end): whatever the
+    gradients, FlashAttention-2 and the row moves read and write inside the buffers (the
+    emulation asserts every segment it is given)."""
+    batch = _batch([5, 0, 3], [2, 6, 4], mask=mask, gap_q=[1, 2, 0], gap_kv=[0, 1, 3], tail=2)
+    call = _call(batch, tight=True, padded=padded, stats_rows=batch.rows_q if stats else None)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(30):
+        edit = {}
+        for name in OFFSET_NAMES if padded else OFFSET_NAMES[:2]:
+            lo = torch.randint(-20, 40, (4,), generator=gen, dtype=torch.int32)
+            edit[name] = torch.sort(lo).values if name.endswith("padded") else lo
+        fallback.exact_backward({**call, **edit})
+
+
 @pytest.mark.parametrize("case, stats", [(CASES[1], False), (CASES[3], True)], ids=["tl", "br"])
 def test_v_head_dim_below_q_is_zero_padded(emulated, case, stats: bool) -> None:
     """MLA-like shapes (v's head dim below q/k's): v, dO (and TE's o) padded with zeros."""
@@ -400,9 +452,8 @@ def test_v_head_dim_below_q_is_zero_padded(emulated, case, stats: bool) -> None:
     batch = _batch(lq, lk, mask=mask, window=window, bottom_right_diagonal=brd, dim=16,
                    head_dim_v=8, **kw)  # fmt: skip
     call = _call(batch, stats_rows=batch.rows_q if stats else None)
-    out = fallback.exact_backward(call)
-    assert out[2].shape == batch.tensors["v"].shape
-    _check(batch, call, out)
+    assert _decide(call).reuse_stats is stats
+    _check(batch, call, fallback.exact_backward(call))
 
 
 @pytest.mark.parametrize(
@@ -446,9 +497,25 @@ def test_one_segmentation_only_where_q_and_kv_offsets_are_one_memory(emulated, k
         call["cu_seqlens_kv_padded"] = same(call["cu_seqlens_q_padded"])
     if kv == "valid-as-padded":
         call["cu_seqlens_q_padded"] = call["cu_seqlens_kv_padded"] = call["cu_seqlens_q"]
-    plan = fallback.decide(fallback.call_facts(call))
-    assert plan.one_segmentation is (kv != "own-padded")  # type: ignore[union-attr]
-    assert plan.back_to_back == (kv in ("unpadded", "valid-as-padded"),) * 2  # type: ignore[union-attr]
+    plan = _decide(call)
+    assert plan.one_segmentation is (kv != "own-padded")
+    assert plan.back_to_back == (kv in ("unpadded", "valid-as-padded"),) * 2
+    _check(batch, call, fallback.exact_backward(call))
+
+
+@pytest.mark.parametrize("stats", [False, True], ids=["forward", "tes-statistics"])
+@pytest.mark.parametrize("padded", [True, False])
+@pytest.mark.parametrize("more_rows", [(5, 0), (0, 5)], ids=["q-longer", "kv-longer"])
+def test_one_offsets_tensor_for_buffers_of_other_row_counts(emulated, more_rows, padded, stats):
+    """Issue #51 (8): q and kv share their offsets tensors, but their buffers have other row
+    counts (a longer tail on one side). One segmentation would give FlashAttention-2 kv
+    segments past kv's last row (q's buffer end): the fallback segments each side alone."""
+    lens, gaps = [4, 0, 6, 3], [1, 0, 2, 0] if padded else 0
+    batch = _batch(lens, lens, mask="padding_causal", gap_q=gaps, gap_kv=gaps, more_rows=more_rows)
+    call = _call(batch, one_offsets=True, padded=padded, tight=True,
+                 stats_rows=batch.rows_q if stats else None)  # fmt: skip
+    assert call["q"].shape[0] != call["k"].shape[0]
+    assert not _decide(call).one_segmentation
     _check(batch, call, fallback.exact_backward(call))
 
 
@@ -467,7 +534,7 @@ def test_top_left_causal_across_two_offset_tensors(emulated, stats: bool, packin
             call["cu_seqlens_q"],
             call["cu_seqlens_kv"],
         )
-        assert fallback.decide(fallback.call_facts(call)).back_to_back == (True, True)  # type: ignore[union-attr]
+        assert _decide(call).back_to_back == (True, True)
     dead = dead_masks(batch, "cpu")
     for name, rows in (("q", dead.q), ("k", dead.kv), ("v", dead.kv)):
         call[name] = call[name].masked_fill(rows.view(-1, 1, 1), float("nan"))
@@ -496,15 +563,15 @@ def test_packed_layouts_come_back_as_views_of_one_buffer(emulated, layout) -> No
     _check(batch, call, out)
 
 
-# ----------------------------------------------------------------------------- why_not
+# ----------------------------------------------------------------------------- declines
 def _half_call() -> Dict[str, Any]:
     return _call(_batch([3, 2], [3, 4], dtype=torch.bfloat16))
 
 
 QKVO = ("q", "k", "v", "d_o")
 #: An edit of the bf16 CPU call (a dict, or a function of the call giving one), then words
-#: of the reason ``why_not`` gives: each argument it cannot reproduce, else "not CUDA".
-WHY_NOT = [
+#: of the reason ``decide`` gives: each argument it cannot reproduce, else "not CUDA".
+DECLINED = [
     ({}, "not CUDA"),
     (dict(dropout=0.1), "dropout"),
     (dict(attn_bias_type="post_scale_bias"), "attn_bias_type"),
@@ -530,7 +597,7 @@ WHY_NOT = [
     (lambda c: dict(v=c["v"][..., :4].contiguous()), "d_o [t, h_q, d_v]"),
     (lambda c: dict(k=c["k"][..., :4]), "k's must be q's"),
     (lambda c: dict(k=c["k"].half()), "k differs from q"),
-    (lambda c: {n: c[n][:2] for n in fallback.OFFSET_NAMES}, "not CUDA"),  # the first sequence
+    (lambda c: {n: c[n][:2] for n in OFFSET_NAMES}, "not CUDA"),  # the first sequence
     (dict(window_size=None), "not CUDA"),
     (lambda c: {n: c[n][:, :1].repeat(1, 3, 1) for n in ("k", "v")}, "heads"),
     (lambda c: {n: c[n][..., :4] for n in QKVO}, "head dim"),
@@ -545,16 +612,17 @@ WHY_NOT = [
 ]
 
 
-@pytest.mark.parametrize("edit, words", WHY_NOT)
-def test_why_not_names_each_reason(edit: Any, words: str) -> None:
-    """``why_not`` names what the fallback cannot reproduce, and ``exact_backward`` refuses
+@pytest.mark.parametrize("edit, words", DECLINED)
+def test_a_declined_call_names_its_reason(edit: Any, words: str) -> None:
+    """``decide`` names what the fallback cannot reproduce, and ``exact_backward`` refuses
     such a call with that reason."""
     call = _half_call()
     call.update(edit(call) if callable(edit) else edit)
-    reason = fallback.why_not(call)
-    assert reason is not None and words in reason, reason
-    with pytest.raises(ValueError, match="cannot reproduce"):
+    reason = _decide(call)
+    assert isinstance(reason, str) and words in reason, reason
+    with pytest.raises(ValueError) as err:
         fallback.exact_backward(call)
+    assert str(err.value) == f"exact_backward cannot reproduce this call: {reason}"
 
 
 def test_head_dim_reason() -> None:
@@ -592,39 +660,38 @@ def test_probe_device_reads_torch_and_the_gpu(monkeypatch, cc, built, schema, de
     assert asked == ([1 if device == "cuda:1" else 3] if read else []), asked
 
 
-def test_why_not_accepts_te_2_8_arguments() -> None:
+def test_te_2_8_arguments() -> None:
     """TE 2.8 .. 2.14 name the output dtype ``dqkv_dtype`` (a tex.DType) and have no formats."""
 
     DType = enum.Enum("DType", "kBFloat16 kFloat16")  # str(): as transformer_engine_torch's
     call = _half_call()
     for name in ("o_format", "do_format", "dqkv_layout", "bottom_right_diagonal", "cuda_graph"):
         del call[name]
-    assert "not CUDA" in fallback.why_not({**call, "dqkv_dtype": DType.kBFloat16})
-    assert "dqkv_dtype" in fallback.why_not({**call, "dqkv_dtype": DType.kFloat16})
+    assert "not CUDA" in _decide({**call, "dqkv_dtype": DType.kBFloat16})
+    assert "dqkv_dtype" in _decide({**call, "dqkv_dtype": DType.kFloat16})
     # Before TE 2.12 cuDNN gets no right bound for a non-causal mask: a window is not TE's rule.
     for window in ((-1, 0), (3, 2)):
-        reason = fallback.why_not({**call, "attn_mask_type": "padding", "window_size": window})
+        reason = _decide({**call, "attn_mask_type": "padding", "window_size": window})
         assert "TE < 2.12" in reason, reason
 
 
 @pytest.mark.parametrize("version", ["2.8", "2.20"])
-def test_calls_bound_from_te_signatures(emulated, version: str) -> None:
-    """What the wrapper hands over: TE's own signature bound by name, defaults applied (2.8
-    has ``dqkv_dtype`` and no formats, dqkv_layout or bottom_right_diagonal)."""
+@pytest.mark.parametrize("positional", [False, True])
+def test_calls_picked_from_te_signatures(emulated, version: str, positional: bool) -> None:
+    """What the wrapper hands over: TE's own signature read by name (keywords, or every
+    argument positional as TE's call sites pass them), defaults applied (2.8 has
+    ``dqkv_dtype`` and no formats, dqkv_layout or bottom_right_diagonal)."""
     from fakes.te_signatures import build_fake
 
     batch = _batch([5, 0, 3], [4, 2, 6], mask="padding_causal_bottom_right", gap_kv=[1, 0, 2])
     fake = build_fake(version, lambda arguments: arguments)
-    names = inspect.signature(fake).parameters
-    kwargs = {k: v for k, v in _call(batch, dqkv_dtype=torch.float32).items() if k in names}
-    call = fake(**kwargs)
-    _check(batch, call, fallback.exact_backward(call))
-
-
-def test_coverage_is_short_text() -> None:
-    lines = fallback.coverage()
-    assert lines and all(isinstance(line, str) and line for line in lines)
-    assert any(line.startswith("declined:") for line in lines)
+    params = inspect.signature(fake).parameters
+    bound = fake(**{k: v for k, v in _call(batch, dqkv_dtype=torch.float32).items() if k in params})
+    sig = Signature(fake)
+    a = sig.pick([bound[n] for n in params], {}) if positional else sig.pick((), bound)
+    recipe = fallback.decide(a, sig.has_right_bound)
+    assert not isinstance(recipe, str), recipe
+    _check(batch, bound, fallback.run(recipe, a))
 
 
 # ------------------------------------------------------- TE's statistics, determinism
@@ -638,27 +705,35 @@ def test_tes_statistics_replace_the_forward(emulated, case, extra_rows: int) -> 
     mask, window, brd = case
     batch = _batch(lq, lk, (4, 2), mask=mask, window=window, bottom_right_diagonal=brd, **kw)
     call = _call(batch, tight=True, stats_rows=batch.rows_q + extra_rows)
-    plan = fallback.decide(fallback.call_facts(call))
-    assert plan.reuse_stats, plan
+    assert _decide(call).reuse_stats
     _check(batch, call, fallback.exact_backward(call))
     assert emulated.calls == ["bwd"]
 
 
 @pytest.mark.parametrize(
-    "stats",
+    "edit",
     [
-        lambda t, h: torch.zeros(1, h, t, 1),  # [b, h, s, 1] of older cuDNN
-        lambda t, h: torch.zeros(t, h, 1, dtype=torch.float64),
-        lambda t, h: torch.zeros(t - 1, h, 1),
-        lambda t, h: torch.zeros(t, h + 1, 1),
+        lambda c, t, h: dict(aux_ctx_tensors=[torch.zeros(1, h, t, 1)]),  # [b, h, s, 1]: older
+        lambda c, t, h: dict(aux_ctx_tensors=[torch.zeros(t, h, 1, dtype=torch.float64)]),
+        lambda c, t, h: dict(aux_ctx_tensors=[torch.zeros(t - 1, h, 1)]),
+        lambda c, t, h: dict(aux_ctx_tensors=[torch.zeros(t, h + 1, 1)]),
+        lambda c, t, h: dict(aux_ctx_tensors=[]),
+        lambda c, t, h: dict(o=c["o"][:-2]),  # issue #51 (8): TE's o of another call
+        lambda c, t, h: dict(o=c["o"][:, :-1]),
+        lambda c, t, h: dict(o=torch.cat((c["o"],) * 2, -1)),  # q's head dim, not v's
+        lambda c, t, h: dict(o=c["o"].double()),
+        lambda c, t, h: dict(o=None),
     ],
-    ids=["bhs1", "float64", "fewer-rows", "other-heads"],
-)
-def test_other_statistics_layouts_recompute_the_forward(emulated, stats) -> None:
+    ids=["stats-bhs1", "stats-float64", "stats-fewer-rows", "stats-other-heads", "no-stats",
+         "o-fewer-rows", "o-other-heads", "o-head-dim", "o-float64", "no-o"],
+)  # fmt: skip
+def test_other_statistics_or_outputs_recompute_the_forward(emulated, edit) -> None:
+    """TE's statistics or output in another layout than the call's q and v: FlashAttention-2
+    recomputes the forward rather than read them, and the result is exact."""
     batch = _batch([5, 0, 3], [4, 2, 6], mask="padding_causal_bottom_right", gap_kv=[1, 0, 2])
     call = _call(batch, stats_rows=batch.rows_q)
-    call["aux_ctx_tensors"] = [stats(batch.rows_q, batch.heads_q)]
-    assert not fallback.decide(fallback.call_facts(call)).reuse_stats
+    call.update(edit(call, batch.rows_q, batch.heads_q))
+    assert not _decide(call).reuse_stats
     _check(batch, call, fallback.exact_backward(call))
     assert emulated.calls == ["fwd", "bwd"]
 
@@ -706,28 +781,29 @@ def test_deterministic_calls_run_in_torchs_deterministic_mode(
         torch.use_deterministic_algorithms(False)
 
 
-@pytest.mark.parametrize("deterministic, available", [(True, False), (False, False), (True, True)])
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize(
+    "version, available",
+    [("2.4.1+cu121", False), ("2.5.0", True), ("2.6.0a0+ecf3bae40a.nv25.01", True),
+     ("2.13.0+cpu", True)],
+    ids=["2.4", "2.5", "ngc-pre-release", "2.13"],
+)  # fmt: skip
 def test_deterministic_without_torch_support_is_served_and_said(
-    emulated, monkeypatch, caplog: pytest.LogCaptureFixture, deterministic, available
+    emulated, monkeypatch, caplog: pytest.LogCaptureFixture, deterministic, version, available
 ) -> None:
-    """Said once, and only for ``deterministic=True`` on a torch that cannot honour it."""
-    monkeypatch.setattr(fallback, "_deterministic_available", lambda: available)
+    """FlashAttention-2 has a deterministic backward from torch 2.5 (NVIDIA's containers'
+    pre-release builds included). Before, ``deterministic=True`` is served exactly, not in
+    deterministic mode, and said once; otherwise nothing is said."""
+    monkeypatch.setattr(torch, "__version__", version)
     batch = _batch([5, 0, 3], [4, 2, 6], mask="padding_causal_bottom_right")
     call = _call(batch, deterministic=deterministic)
     with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
         for _ in range(2):
+            assert _decide(call).deterministic is (deterministic and available)
             _check(batch, call, fallback.exact_backward(call))
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == (deterministic and not available), said
     assert all("not bitwise repeatable" in m and "exact" in m for m in said), said
-
-
-def test_deterministic_available_reads_torchs_version(monkeypatch: pytest.MonkeyPatch) -> None:
-    ngc = "2.6.0a0+ecf3bae40a.nv25.01"  # NVIDIA's containers: a pre-release patch level
-    wants = {"2.4.1+cu121": False, "2.5.0": True, "2.13.0+cpu": True, ngc: True}
-    for version, want in wants.items():
-        monkeypatch.setattr(torch, "__version__", version)
-        assert fallback._deterministic_available() is want, version
 
 
 def test_ready_keeps_loadable_tensors_and_copies_the_rest() -> None:
@@ -739,3 +815,110 @@ def test_ready_keeps_loadable_tensors_and_copies_the_rest() -> None:
     for bad in (base.transpose(1, 2), base[:, :, 1:], shifted, heads_12):
         got = fallback._ready(bad)
         assert got is not bad and got.is_contiguous() and torch.equal(got, bad)
+
+
+# ------------------------------------------------------------------------ row moves
+def _moves_case(seed: int, device: str = "cpu"):
+    """Random sides: zero-length sequences, gaps, more or fewer rows on either side, a tail;
+    two tensors of different head dims, the second a strided view (heads not adjacent)."""
+    rnd = random.Random(seed)
+    nseq = rnd.randint(1, 6)
+    lens = [[rnd.choice([0, 1, 3, 5, 8]) for _ in range(nseq)] for _ in range(2)]
+    sides, rows = [], []
+    for side in range(2):
+        cu, pad = [0], [rnd.randint(0, 2)]
+        for n in lens[side]:
+            cu.append(cu[-1] + n)
+            pad.append(pad[-1] + n + rnd.randint(0, 3))
+        padded = rnd.random() < 0.7 or pad[0] != 0
+        i32 = dict(dtype=torch.int32, device=device)
+        cu_t = torch.tensor(cu, **i32).repeat_interleave(2)[::2]  # a strided view
+        sides.append((cu_t, torch.tensor(pad, **i32) if padded else None))
+        rows.append((pad[-1] if padded else cu[-1]) + rnd.randint(0, 3))
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(rows[1], 3, 5, generator=gen)
+    b = torch.randn(rows[1], 3, 2, 4, generator=gen)[:, :, 1]  # head stride 8, dim 4
+    return [a.to(device), b.to(device)], rows[0], sides[0], sides[1]
+
+
+def _by_the_rule(tensors, rows: int, to, source) -> List[torch.Tensor]:
+    """``move_rows``' rule, one row at a time in Python."""
+    (cu_t, pad_t), (cu_s, pad_s) = to, source
+    pad_t = cu_t if pad_t is None else pad_t
+    pad_s = cu_s if pad_s is None else pad_s
+    outs = [torch.zeros((rows, *t.shape[1:]), dtype=t.dtype) for t in tensors]
+    for b in range(cu_t.numel() - 1):
+        n = min(int(cu_t[b + 1] - cu_t[b]), int(cu_s[b + 1] - cu_s[b]))
+        for p in range(n):
+            for out, t in zip(outs, tensors):
+                out[int(pad_t[b]) + p] = t[int(pad_s[b]) + p]
+    return outs
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_row_moves_follow_the_rule(seed: int) -> None:
+    tensors, rows, to, source = _moves_case(seed)
+    got = move_rows(tensors, rows, to, source, impl="torch")
+    want = _by_the_rule(tensors, rows, to, source)
+    assert all(torch.equal(g, w) for g, w in zip(got, want)), seed
+
+
+def _moves_on_impossible_offsets(impl: str) -> None:
+    """Offsets no batch has: 2 rows of an empty buffer give zeros; descending and
+    out-of-buffer offsets read and write inside the buffers."""
+    i32 = dict(dtype=torch.int32)
+    to, source = (torch.tensor([0, 3], **i32), None), (torch.tensor([0, 2], **i32), None)
+    got = move_rows([torch.randn(0, 2, 3), torch.randn(0, 2, 3)], 4, to, source, impl=impl)
+    assert all(g.shape == (4, 2, 3) and not g.any() for g in got)
+    to = (torch.tensor([0, 9, 4], **i32), torch.tensor([0, -5, 2], **i32))
+    source = (torch.tensor([0, 30, 31], **i32), torch.tensor([3, 20, 1], **i32))
+    got = move_rows([torch.randn(6, 2, 3), torch.randn(6, 1, 2)], 5, to, source, impl=impl)
+    assert [tuple(g.shape) for g in got] == [(5, 2, 3), (5, 1, 2)]
+
+
+def test_row_moves_on_impossible_offsets() -> None:
+    _moves_on_impossible_offsets("torch")
+
+
+def _kernel_matches_torch(device: str, seeds: range) -> None:
+    for seed in seeds:
+        tensors, rows, to, source = _moves_case(seed, device)
+        got = move_rows(tensors, rows, to, source, impl="triton")
+        want = move_rows(tensors, rows, to, source, impl="torch")
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), seed
+
+
+WORKER_CHECKS = {
+    "matches_torch": lambda: _kernel_matches_torch("cpu", range(12)),
+    "impossible_offsets": lambda: _moves_on_impossible_offsets("triton"),
+}
+
+background.STARTERS["row_moves_interpreted"] = lambda folder: (
+    start_checks(__file__, folder) if importlib.util.find_spec("triton") else None
+)
+
+
+@pytest.fixture(scope="module")
+def row_moves_interpreted() -> Dict[str, dict]:
+    job = background.get("row_moves_interpreted")
+    if job is None:
+        pytest.skip("needs Triton (pip install triton)")
+    return results(job)
+
+
+@pytest.mark.parametrize("check", list(WORKER_CHECKS))
+def test_row_moves_kernel_under_the_interpreter(row_moves_interpreted: dict, check: str) -> None:
+    result = row_moves_interpreted[check]
+    assert result["ok"], f"{check} failed under the interpreter:\n{result['error']}"
+
+
+@pytest.mark.gpu
+def test_compiled_row_moves_kernel_matches_torch() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("triton")
+    _kernel_matches_torch("cuda", range(40))
+
+
+if __name__ == "__main__":
+    worker_main(WORKER_CHECKS)

@@ -533,10 +533,18 @@ def _check_before_loading(build: CudnnBuild, strict: bool, named: bool, source: 
     if build.measured == "unmeasured" and not named:
         raise CudnnRefused(
             f"{source}: cuDNN {build.version_str} in {build.lib_dir} was not measured, and "
-            "strict loads an unmeasured build only from a folder you name (strict:FOLDER); "
-            f"nothing was loaded. {rules.pip_hint(rules.newest_right().cudnn)} installs one "
-            "measured right"
+            "strict loads an unmeasured build only from a folder you name "
+            f"({_naming(source, build.lib_dir)}); nothing was loaded. "
+            f"{rules.pip_hint(rules.newest_right().cudnn)} installs one measured right"
         )
+
+
+def _naming(source: str, folder: str) -> str:
+    """How the user who asked as ``source`` names ``folder`` strictly: the setting's
+    ``strict:FOLDER``, or the function's folder argument (it refuses ``strict:``)."""
+    if source.startswith(ENV_CUDNN):
+        return f"{ENV_CUDNN}=strict:{folder}"
+    return f"use_fixed_cudnn({shown(folder)})"
 
 
 def _check_loaded(build: CudnnBuild, files: Sequence[str], source: str) -> CudnnBuild:
@@ -544,7 +552,7 @@ def _check_loaded(build: CudnnBuild, files: Sequence[str], source: str) -> Cudnn
     (saying it is loaded now) when that is unknown, differs from what was read on disk, or
     may not be loaded."""
     found = version_tuple(_ctypes_version(files[-1]))  # (major, minor, patch) or None
-    loaded = f"it is loaded in this process now, so start a new process without {ENV_CUDNN}"
+    loaded = f"it is loaded in this process now, so start a new process without {source}"
     if found is None:
         raise CudnnRefused(f"cudnnGetVersion of {files[-1]} failed; {loaded}")
     if build.version is not None and found != build.version:

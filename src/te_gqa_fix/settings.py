@@ -84,11 +84,13 @@ SHOWN_CHARS = 80
 def shown(value: object) -> str:
     """``repr(value)``, or where that is long its start and the length: a message never
     echoes a huge value (``'aaaa...'...(100000 chars)``)."""
+    if isinstance(value, str):  # its characters are counted, not its repr's
+        if len(value) <= SHOWN_CHARS:
+            return repr(value)
+        return f"{value[:SHOWN_CHARS]!r}...({len(value)} chars)"
     text = repr(value)
     if len(text) <= SHOWN_CHARS:
         return text
-    if isinstance(value, str):
-        return f"{value[:SHOWN_CHARS]!r}...({len(value)} chars)"
     return f"{text[:SHOWN_CHARS]}...({len(text)} chars)"
 
 
@@ -173,7 +175,14 @@ def unknown_names(environ: Optional[Mapping[str, str]] = None) -> List[Tuple[str
     """
     env = os.environ if environ is None else environ
     names = sorted(n for n in env if n.upper().startswith(PREFIX) and n not in SETTINGS)
-    return [(n, next(iter(difflib.get_close_matches(n, SETTINGS, 1, 0.6)), None)) for n in names]
+    return [(n, next(iter(_closest(n.upper())), None)) for n in names]
+
+
+def _closest(name: str) -> List[str]:
+    """The known name most like ``name`` (upper case, any case matches), if any is as
+    like it as a letter dropped, doubled or swapped makes it: the shared prefix alone is
+    no likeness (``TE_GQA_FIX_RECORD`` is like no setting)."""
+    return difflib.get_close_matches(name, SETTINGS, 1, 0.85)
 
 
 def describe(environ: Optional[Mapping[str, str]] = None) -> Dict[str, Dict[str, object]]:

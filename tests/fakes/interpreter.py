@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import site
 import subprocess
 import sys
 import time
@@ -33,12 +34,24 @@ def child_env(*paths: object, drop: tuple = ("TE_GQA_FIX",), **env: str) -> Dict
     return {**out, "PYTHONPATH": os.pathsep.join(p for p in path if p), **env}
 
 
+#: This interpreter's site folders, for children that start without ``site`` (``-S``).
+SITE_FOLDERS = [
+    p
+    for p in (*site.getsitepackages(), site.getusersitepackages())
+    if isinstance(p, str) and os.path.isdir(p)
+]
+
+
 def run_code(
-    code: str, env: Dict[str, str], cwd: Optional[Path] = None
+    code: str, env: Dict[str, str], cwd: Optional[Path] = None, *, no_site: bool = False
 ) -> subprocess.CompletedProcess:
     """``python -c code`` in a fresh interpreter with ``env`` (:func:`child_env`); it must
-    exit 0."""
-    cmd = [sys.executable, "-c", code]
+    exit 0. ``no_site``: ``python -S``, the site folders after ``env``'s PYTHONPATH, so that
+    no start-up file installed in them runs (the code processes the ones it means to)."""
+    cmd = [sys.executable, *(["-S"] if no_site else []), "-c", code]
+    if no_site:
+        path = [env.get("PYTHONPATH", ""), *SITE_FOLDERS]
+        env = {**env, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=cwd)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
