@@ -220,11 +220,17 @@ def decide(
     live = live or {}
     ran = bool(live.get("ran"))
     right = rules.newest_right().cudnn
-    upgrade = (
-        f"use cuDNN {rules.version_text(right[:2])} or newer (the newest build measured right)"
-        if te_cudnn is None or tuple(te_cudnn)[:2] < right[:2]
-        else "please report this stack: it was measured right here"
-    )
+    if te_cudnn is None or tuple(te_cudnn)[:2] < right[:2]:
+        upgrade = (
+            f"use cuDNN {rules.version_text(right[:2])} or newer (the newest build measured right)"
+        )
+    elif rules.measurement_for(te_cudnn)[1]:
+        upgrade = "please report this stack: it was measured right here"
+    else:  # newer than every measured build
+        upgrade = (
+            f"please report this stack: cuDNN {rules.version_text(te_cudnn)} was not measured "
+            f"(cuDNN {rules.version_text(right[:2])}, the newest build measured right, was)"
+        )
     if ran and live.get("fix_ok") is False:
         return (
             "unrepairable",
