@@ -282,24 +282,32 @@ def _builds_section(libs: Sequence[CudnnLibrary], te_cudnn, torch_cudnn) -> List
 
 
 def _switch(builds: Sequence[Dict[str, Any]], te_cudnn) -> Optional[str]:
-    """The one setting that makes TE run an installed build measured right, if TE runs
-    another (or any fixed build, where none was measured)."""
+    """The one setting that makes TE run an installed build better than the one it runs:
+    newer, or measured right where TE's own build was not measured; never the build TE
+    runs (by major and minor version), from wherever it is loaded."""
     if te_cudnn is None:
         return None
     m, own = rules.measurement_for(te_cudnn)
     if own and m.right:
         return None
+    runs = tuple(te_cudnn)[:2]
+
+    def better(b: Dict[str, Any]) -> bool:
+        v = (version_tuple(b["version"]) or ())[:2]
+        return v != runs and (v > runs or (b["measured"] == "right" and not own))
+
+    def rank(b: Dict[str, Any]) -> Tuple[bool, Tuple[int, ...]]:  # cudnn_route.choose's order
+        return b["measured"] == "right", version_tuple(b["version"]) or ()
+
     usable = [b for b in builds if b["fixed"] and b["measured"] in ("right", "unmeasured")]
-    if not usable:
-        return None
     wheels = [b for b in usable if b["origin"] == "wheel"]
-    if not wheels:
-        best = max(
-            usable, key=lambda b: (b["measured"] == "right", version_tuple(b["version"]) or ())
-        )
-        return f"{cudnn_route.ENV_CUDNN}={best['lib_dir']}  (cuDNN {best['version']}, {best['measured']})"
-    best = max(wheels, key=lambda b: (b["measured"] == "right", version_tuple(b["version"]) or ()))
-    return f"{cudnn_route.ENV_CUDNN}=auto  (loads cuDNN {best['version']} from {best['lib_dir']}, {best['measured']})"
+    auto = max(wheels, key=rank, default=None)  # what TE_GQA_FIX_CUDNN=auto loads
+    if auto is not None and better(auto):
+        return f"{cudnn_route.ENV_CUDNN}=auto  (loads cuDNN {auto['version']} from {auto['lib_dir']}, {auto['measured']})"
+    best = max(filter(better, usable), key=rank, default=None)
+    if best is None:
+        return None
+    return f"{cudnn_route.ENV_CUDNN}={best['lib_dir']}  (cuDNN {best['version']}, {best['measured']})"
 
 
 def _fix_info() -> Dict[str, Any]:
