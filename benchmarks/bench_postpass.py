@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """The post-pass's device time next to TE's ``fused_attn_bwd``, and the wrapper's host time.
 
-Device: TE's backward, ``zero_dead_rows(impl="triton")`` and ``impl="torch"`` on its real
-gradients, interleaved round by round while the GPU is held busy (``torch.cuda._sleep``) so
-that the CUDA events read device time, not launch gaps; medians. Host: the wrapper around a
-stub with TE's signature that returns real gradients at once, against the stub itself,
-called by position as TE's ``FusedAttnFunc`` calls it, on one CPU; median over rounds of
-the paired difference, with the post-pass (``TE_GQA_FIX=always``) and as a pure
-pass-through (``TE_GQA_FIX=off``, or the default on a fixed cuDNN).
+Device: TE's backward, the public ``te_gqa_fix.zero_dead_rows`` (``impl="triton"`` and
+``impl="torch"``) on its real gradients, interleaved round by round while the GPU is held
+busy (``torch.cuda._sleep``) so that the CUDA events read device time, not launch gaps;
+medians. Host: the wrapper (``te_gqa_fix.wrapper.wrapper_for``) around a stub with TE's
+signature that returns real gradients at once, against the stub itself, called by position
+as TE's ``FusedAttnFunc`` calls it, on one CPU; median over rounds of the paired difference,
+with the post-pass (``TE_GQA_FIX=always``) and as a pure pass-through (``TE_GQA_FIX=off``,
+or the default on a cuDNN measured right, as ``te_gqa_fix.status()`` says).
 
     python3 benchmarks/bench_postpass.py --out postpass.json [--quick]
 """
@@ -25,10 +26,7 @@ import torch
 from common import by_name, cumsum, median, metadata, one_cpu, packed, write
 
 import te_gqa_fix
-from te_gqa_fix.masks import key_span
-from te_gqa_fix.postpass import prepare_kernel, zero_dead_rows
-from te_gqa_fix.postpass.launch import run_kernel
-from te_gqa_fix.wrapper import call_counts, wrapper_for
+from te_gqa_fix.wrapper import wrapper_for
 
 MASK = "padding_causal_bottom_right"
 WORKLOADS = {  # name: (tokens, query heads, KV heads); head dim 128, bf16
@@ -102,28 +100,20 @@ def host_us(
     te_bwd: Callable, kw: Dict[str, Any], out: Any, modes: Dict[str, Optional[str]], rounds: int
 ) -> Dict[str, Any]:
     """The stub's host time and, per mode (a ``TE_GQA_FIX`` value), the median over rounds
-    of wrapper(stub) - stub in the same round; what one call did in each mode. With CUDA
-    and Triton, ``launch``: the post-pass kernel's launch alone (Triton's launch path), timed
-    in the same rounds, to tell the wrapper's own time from Triton's."""
+    of wrapper(stub) - stub in the same round; what one call did in each mode
+    (``te_gqa_fix.call_counts``)."""
     bound = inspect.signature(te_bwd).bind(**kw)
     bound.apply_defaults()
     args = bound.args  # every argument by position, as TE 2.20 calls it
     stub = make_stub(te_bwd, out)
     wrapped = wrapper_for(stub)
     calls = {"stub": lambda: stub(*args), **{m: lambda: wrapped(*args) for m in modes}}
-    dq, dk, dv = out[:3]
-    names = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
-    offs = tuple(kw.get(n) for n in names)
-    span = key_span(kw["attn_mask_type"], kw["window_size"], kw.get("bottom_right_diagonal"))
-    plan = prepare_kernel(dq, dk, dv, offs, span)
-    if plan is not None:
-        calls["launch"] = lambda: run_kernel(plan, dq, dk, dv, offs)
     did = {}
     for mode, policy in modes.items():
         set_policy(policy)
-        before = call_counts()
+        before = te_gqa_fix.call_counts()
         returned = wrapped(*args) is out
-        did[mode] = {k: v - before.get(k, 0) for k, v in call_counts().items()}
+        did[mode] = {k: v - before.get(k, 0) for k, v in te_gqa_fix.call_counts().items()}
         did[mode]["returned_stub_output"] = returned
     samples: Dict[str, List[float]] = {n: [] for n in calls}
     names = list(calls)
@@ -143,15 +133,13 @@ def host_us(
         gc.enable()
         stub.release()  # type: ignore[attr-defined]
     res: Dict[str, Any] = {"stub": median(samples["stub"]), "did": did}
-    if "launch" in samples:
-        res["launch"] = median(samples["launch"])
     for mode in modes:
         res[mode] = median([a - b for a, b in zip(samples[mode], samples["stub"])])
     return res
 
 
 def run_workload(
-    name: str, fa: Any, te_bwd: Callable, args: argparse.Namespace, affected: bool
+    name: str, fa: Any, te_bwd: Callable, args: argparse.Namespace, passes_through: bool
 ) -> Dict[str, Any]:
     tokens, hq, hkv = WORKLOADS[name]
     batch = packed(tokens)
@@ -196,17 +184,17 @@ def run_workload(
     dev = device_us(
         {
             "bwd": lambda: te_bwd(**kw),
-            "postpass_triton": lambda: zero_dead_rows(
+            "postpass_triton": lambda: te_gqa_fix.zero_dead_rows(
                 *grads, *offs, attn_mask_type=MASK, impl="triton"
             ),
-            "postpass_torch": lambda: zero_dead_rows(
+            "postpass_torch": lambda: te_gqa_fix.zero_dead_rows(
                 *grads, *offs, attn_mask_type=MASK, impl="torch"
             ),
         },
         args.reps,
     )
-    # Pass-through: the default where the cuDNN is fixed, else the policy switched off.
-    passthrough = "off" if affected else None
+    # Pass-through: the default where the cuDNN was measured right, else the policy off.
+    passthrough = None if passes_through else "off"
     host = host_us(
         te_bwd, kw, te_bwd(**kw), {"postpass": "always", "passthrough": passthrough}, args.rounds
     )
@@ -223,7 +211,9 @@ def run_workload(
         "bytes_to_write": 2 * (dead["kv"] * hkv * 2 + dead["q"] * hq) * D,
         "device_us": dev,
         "host_us": host,
-        "passthrough_via": "TE_GQA_FIX=off" if affected else "TE_GQA_FIX=auto (fixed cuDNN)",
+        "passthrough_via": (
+            "TE_GQA_FIX=auto (cuDNN measured right)" if passes_through else "TE_GQA_FIX=off"
+        ),
     }
 
 
@@ -250,18 +240,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     # TE first: it loads its cuDNN before anything in torch initialises another one.
     from transformer_engine.pytorch.cpp_extensions import fused_attn as fa
 
-    from te_gqa_fix.stack.affected import verdict
-    from te_gqa_fix.stack.versions import te_cudnn_version
-
     te_gqa_fix.uninstall()  # TE's own function, even under the start-up hook
     doc = {"bench": "postpass", **metadata()}
-    affected = verdict(torch.cuda.get_device_capability(), te_cudnn_version()).status == "affected"
+    # The rule for head dims up to 128, this GPU and the cuDNN TE runs.
+    passes_through = te_gqa_fix.status().verdict == "right"
     policy = os.environ.get("TE_GQA_FIX")
     try:
         doc["copy_GBps"] = copy_bandwidth_GBps(args.reps)
         doc["workloads"] = []
         for name in names:
-            doc["workloads"].append(run_workload(name, fa, fa.fused_attn_bwd, args, affected))
+            doc["workloads"].append(run_workload(name, fa, fa.fused_attn_bwd, args, passes_through))
             w = doc["workloads"][-1]
             print(
                 f"{name}: bwd {w['device_us']['bwd']:.0f} us, post-pass "

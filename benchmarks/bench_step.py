@@ -36,7 +36,6 @@ import torch
 from common import cumsum, event_ms, median, metadata, one_cpu, packed, write
 
 import te_gqa_fix
-from te_gqa_fix.wrapper import call_counts
 
 HEADS, GROUPS, D = 32, 8, 128
 
@@ -62,7 +61,7 @@ def block(step, patched: bool, steps: int, warmup: int, mode: str) -> Dict[str, 
     ``synced``: the median step, ``back-to-back``: the block's mean), the host's time per
     step (us) and the wrapper's call counts over the block."""
     (te_gqa_fix.install if patched else te_gqa_fix.uninstall)()
-    before = call_counts()
+    before = te_gqa_fix.call_counts()
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
@@ -72,7 +71,7 @@ def block(step, patched: bool, steps: int, warmup: int, mode: str) -> Dict[str, 
         ms, host_us = _timed(step, steps, mode)
     finally:
         gc.enable()
-    calls = {k: v - before[k] for k, v in call_counts().items()}
+    calls = {k: v - before[k] for k, v in te_gqa_fix.call_counts().items()}
     return {"ms": ms, "host_us": host_us, "calls": calls}
 
 

@@ -15,8 +15,11 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT / "src") not in sys.path:
-    sys.path.insert(0, str(ROOT / "src"))
+# This tree's library, the test harness (tests/thd.py: TE called by argument name) and the
+# evidence harness's stack record (evidence/stack_probe.py).
+for _folder in (ROOT / "evidence", ROOT / "tests", ROOT / "src"):
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 
 # The cuDNN backend is the one under test: no flash-attn, no unfused fallback.
 os.environ["NVTE_FLASH_ATTN"] = "0"
@@ -99,13 +102,13 @@ def cpu_model() -> str:
 
 
 def metadata() -> Dict[str, Any]:
-    """Date, command and stack (``te_gqa_fix.stack.versions.stack_summary``, Triton, the SM count,
-    the host CPU)."""
+    """Date, command and stack (``evidence/stack_probe.py``'s, Triton, the SM count, the
+    host CPU)."""
     import torch
 
-    from te_gqa_fix.stack.versions import stack_summary
+    import stack_probe
 
-    stack = {k: v for k, v in stack_summary().items() if k != "cudnn_files"}
+    stack = stack_probe.probe()
     try:
         import triton
 
@@ -123,7 +126,7 @@ def metadata() -> Dict[str, Any]:
             [f"{k}={shlex.quote(v)}" for k, v in env.items() if v]
             + ["python3", *map(shlex.quote, sys.argv)]
         ),
-        # The GPU kit's name for the cuDNN TE runs (tests/gpu/builds.sh).
+        # The GPU kit's name for the cuDNN TE runs (evidence/builds.sh).
         "build": "route" if route else env["GPU_KIT_CUDNN"],
         "stack": stack,
     }

@@ -2,9 +2,9 @@
 # Everything docs/validation.md shows, on the GPU machine (repository root, GPU kit staged;
 # 2 GPUs for the context-parallel part, 2 GPUs and .whl-mcore/ for Megatron-Core):
 #   validation  the GPU tests and doctor on each build (evidence/run_validation.sh)
-#   cp          tests/multigpu/cp_check.py under torchrun, each build
+#   cp          evidence/multigpu/cp_check.py under torchrun, each build
 #   examples    examples/seed_repro.py, drop_in.py (and context_parallel.py on 2 GPUs)
-#   megatron    tests/multigpu/megatron/run.sh
+#   megatron    evidence/multigpu/megatron/run.sh
 # Knobs: PARTS (default "validation cp examples"), BUILDS (default "system pip route"; add
 # cudnn927 once tests/gpu/cudnn_kit.sh has staged cuDNN 9.27), CP_ARGS, and COMMIT (the
 # code measured, where the tree here has no .git; see builds.sh).
@@ -38,7 +38,7 @@ for build in $builds; do
       >"$extra/stack-$build.log" 2>&1 || echo "stack_probe ($build): exit $?"
     if [ "$ngpu" -ge 2 ] && [[ $parts == *" cp "* ]]; then
       timeout "${CP_TIMEOUT:-200}" torchrun --standalone --nproc-per-node "$ngpu" \
-        tests/multigpu/cp_check.py --out "$extra" --tag "$build" ${CP_ARGS:-} >"$extra/cp-$build.log" 2>&1
+        evidence/multigpu/cp_check.py --out "$extra" --tag "$build" ${CP_ARGS:-} >"$extra/cp-$build.log" 2>&1
       echo "cp_check ($build, $ngpu ranks): exit $?"
     fi
     [[ $parts == *" examples "* ]] || exit 0
@@ -56,7 +56,7 @@ for build in $builds; do
 done
 megatron=()
 if [[ $parts == *" megatron "* ]]; then
-  RES=$mres OUT=$out bash tests/multigpu/megatron/run.sh
+  RES=$mres OUT=$out bash evidence/multigpu/megatron/run.sh
   echo "megatron: exit $?"
   megatron=(--megatron "$mres")
 fi

@@ -97,7 +97,7 @@ def doctor_record(doc: Dict[str, Any]) -> Rec:
 
 
 def cp_records(data: Dict[str, Any]) -> List[Rec]:
-    """One compact record per configuration of ``tests/multigpu/cp_check.py``'s results."""
+    """One compact record per configuration of ``evidence/multigpu/cp_check.py``'s results."""
     out: List[Rec] = []
     for r in data.get("records", []):
         err, bound = r.get("err_vs_fp32") or {}, r.get("bound") or {}
@@ -130,7 +130,7 @@ def example_record(name: str, log: str) -> Rec:
 
 
 def _megatron_check():
-    path = ROOT / "tests" / "multigpu" / "megatron" / "check.py"
+    path = ROOT / "evidence" / "multigpu" / "megatron" / "check.py"
     spec = importlib.util.spec_from_file_location("te_gqa_fix_megatron_check", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)  # type: ignore[union-attr]
@@ -138,7 +138,7 @@ def _megatron_check():
 
 
 def megatron_record(results: Path) -> Rec:
-    """What ``tests/multigpu/megatron/check.py`` decides from the runs in ``results``."""
+    """What ``evidence/multigpu/megatron/check.py`` decides from the runs in ``results``."""
     check = _megatron_check()
     runs, logs = check.load_runs(str(results))
     rep = check.evaluate(runs, logs, 2.0, 4.0)
@@ -485,7 +485,7 @@ def _megatron(m: Rec) -> List[str]:
         f"TE spec, {c.get('layers')} layers, hidden {c.get('hidden')}, GQA {c.get('heads')}/"
         f"{c.get('groups')}, packed THD, {c.get('steps')} steps; the fix only from "
         "`TE_GQA_FIX_AUTOPATCH=1`. Tolerance per step: 2x the running max of |c - d| plus 4 "
-        "bf16 ulps (`tests/multigpu/megatron/check.py`)."
+        "bf16 ulps (`evidence/multigpu/megatron/check.py`)."
     )
     keys = ("run", "cudnn", "cp", "fix", "final_loss", "max_grad_norm", "nan_steps")
     L = _section("Megatron-Core", text, "run|cuDNN|CP|fix active|final loss|max grad norm|NaN steps",
@@ -653,7 +653,7 @@ def render(recs: List[Rec], fakes: Sequence[str] = ()) -> str:
         cp_builds = list(dict.fromkeys(r["build"] for r in by["cp"]))
         L += _section(
             "Context parallelism",
-            "`tests/multigpu/cp_check.py` under torchrun: DotProductAttention (THD, padding_causal, "
+            "`evidence/multigpu/cp_check.py` under torchrun: DotProductAttention (THD, padding_causal, "
             "bf16, d 128) with P2P, all-gather and A2A, compared with one GPU and with fp32; "
             "unpatched runs free a block of 1000.0 before the backward.",
             "build|mode|configurations|outcomes|worst err/bound",
@@ -804,7 +804,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     co.add_argument(
         "--extra", type=Path, help="cp_results_*.json, example logs, stack-<build>.json"
     )
-    co.add_argument("--megatron", type=Path, help="tests/multigpu/megatron/run.sh's results")
+    co.add_argument("--megatron", type=Path, help="evidence/multigpu/megatron/run.sh's results")
     co.add_argument("--command", default="bash evidence/run_all.sh")
     co.add_argument("--megatron-command", default=None)
     co.add_argument("--commit", default=None, help="the code measured (default: COMMIT or git)")

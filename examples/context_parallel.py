@@ -8,12 +8,17 @@ workspace into dK/dV (TE #2186). The fix is one call at start-up, before the mod
 built, as a Megatron-Core training script would place it next to its other initialisation:
 every TE call site of ``fused_attn_bwd`` (the P2P ring, all-gather and A2A paths included)
 then goes through the wrapper. Nothing else in the training code changes.
+
+Exit status 2 (one line on stderr naming it) where two CUDA GPUs, Transformer Engine or
+torchrun's launch are missing.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import sys
+from typing import List
 
 import torch
 import torch.distributed as dist
@@ -21,7 +26,26 @@ import torch.distributed as dist
 import te_gqa_fix
 
 
-def main() -> None:
+def missing() -> List[str]:
+    """What this example needs that this machine (or this launch) lacks."""
+    out = []
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < 2:
+        out.append(f"two or more CUDA GPUs (found {gpus})")
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as exc:  # not installed, or a broken build
+        out.append(f"Transformer Engine ({type(exc).__name__}: {' '.join(str(exc).split())})")
+    if "LOCAL_RANK" not in os.environ:
+        out.append("a torchrun launch (torchrun --nproc-per-node 2 examples/context_parallel.py)")
+    return out
+
+
+def main() -> int:
+    lacking = missing()
+    if lacking:
+        print(f"context_parallel: needs {'; '.join(lacking)}", file=sys.stderr)
+        return 2
     te_gqa_fix.install()  # once, at start-up, before any model is built
 
     import transformer_engine.pytorch as te
@@ -104,7 +128,8 @@ def main() -> None:
             f"fixed {counts['fixed']}, skipped {counts['skipped']} of {counts['calls']}"
         )
     dist.destroy_process_group()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -341,6 +341,28 @@ def stack_info(args: argparse.Namespace, world: int, cp: int) -> Dict[str, Any]:
     return info
 
 
+def missing(device: str, layer_spec: Any) -> List[str]:
+    """What this run needs that this machine (or this launch) lacks. TE is imported before
+    Megatron-Core, as Megatron-Core's own import would: TE loads its cuDNN first."""
+
+    def why(exc: Exception) -> str:
+        return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+
+    out = [] if device != "cuda" or torch.cuda.is_available() else ["a CUDA GPU"]
+    if layer_spec is None:  # TE's layer spec
+        try:
+            import transformer_engine.pytorch  # noqa: F401
+        except Exception as exc:  # not installed, or a broken build
+            out.append(f"Transformer Engine ({why(exc)})")
+    try:
+        import megatron.core  # noqa: F401
+    except Exception as exc:
+        out.append(f"Megatron-Core ({why(exc)})")
+    if "RANK" not in os.environ:
+        out.append("a torchrun launch (torchrun --nproc-per-node 2 examples/megatron_core.py)")
+    return out
+
+
 def main(
     argv: Optional[Sequence[str]] = None,
     *,
@@ -357,6 +379,10 @@ def main(
     # INFO before anything imports TE: the start-up hook (if enabled) logs there.
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)
+    lacking = missing(device, layer_spec)
+    if lacking:
+        print(f"megatron_core: needs {'; '.join(lacking)}", file=sys.stderr)
+        return 2
     # Only cuDNN's fused attention (the backend in question): Megatron's own switch
     # (attention_backend=fused below), which sets TE's NVTE_*_ATTN variables itself and
     # refuses values set by hand that disagree with it.

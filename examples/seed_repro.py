@@ -14,7 +14,8 @@ Arguments are bound by name (TE 2.8 has ``dqkv_dtype``; 2.20 has ``o_format``,
 arguments TE's function takes, so both backward calls get the same ones.
 
 Run on a GPU machine with TE:  python examples/seed_repro.py
-Exit status: 0 when the fixed result is exact, 1 when it is not, 2 without GPU or TE.
+Exit status: 0 when the fixed result is exact, 1 when it is not, 2 (one line on stderr
+naming it) where a CUDA GPU or Transformer Engine is missing.
 """
 
 from __future__ import annotations
@@ -57,16 +58,23 @@ def reference(q, k, v, d_o, cu_q, cu_kv, pad, scale) -> Dict[str, torch.Tensor]:
     return grads
 
 
-def main() -> int:
-    if not torch.cuda.is_available():
-        print("seed_repro: needs a CUDA GPU (and Transformer Engine)")
-        return 2
+def missing() -> List[str]:
+    """What this example needs that this machine lacks."""
+    out = [] if torch.cuda.is_available() else ["a CUDA GPU"]
     try:
-        from transformer_engine.pytorch.cpp_extensions import fused_attn as te_fa
-    except ImportError as exc:
-        print(f"seed_repro: needs Transformer Engine ({exc})")
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as exc:  # not installed, or a broken build
+        out.append(f"Transformer Engine ({type(exc).__name__}: {' '.join(str(exc).split())})")
+    return out
+
+
+def main() -> int:
+    lacking = missing()
+    if lacking:
+        print(f"seed_repro: needs {'; '.join(lacking)}", file=sys.stderr)
         return 2
     import transformer_engine
+    from transformer_engine.pytorch.cpp_extensions import fused_attn as te_fa
 
     import te_gqa_fix
 

@@ -1,22 +1,26 @@
 """The benchmarks' CPU parts: the post-pass benchmark counts the post-pass's own rows, its
 host timing measures the modes it names (on a fake TE with TE 2.20's signature), the
-fallback's timing goes on past a call out of memory, and start-up rows name their module.
-The performance page made from their output is tested in evidence/tests."""
+fallback's benchmark makes TE's cuDNN judged wrong at its head dim and its timing goes on
+past a call out of memory, start-up rows name their module, and every benchmark reaches
+te-gqa-fix through its public API and ``wrapper_for`` only. The performance page made from
+their output is tested in evidence/tests."""
 
 from __future__ import annotations
 
+import ast
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, List
 
 import pytest
 import torch
 
+import te_gqa_fix
 from fakes.oracle import Ragged
 from fakes.te_outputs import call_arguments
 from fakes.te_signatures import build_fake
-from te_gqa_fix.postpass import dead_row_masks
+from te_gqa_fix import dead_row_masks, rules
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
@@ -57,23 +61,61 @@ def test_host_timing_measures_the_modes_it_names(monkeypatch: pytest.MonkeyPatch
     kw = call_arguments(  # 4 query heads, 2 KV heads
         "2.20", _batch(512), head_dim=8, dtype=torch.bfloat16, attn_mask_type=bench_postpass.MASK
     )
-    offs = tuple(kw[f"cu_seqlens_{side}"] for side in ("q", "kv", "q_padded", "kv_padded"))
     out = te(**kw)
-    launched = []
-    plan = object()  # what prepare_kernel returns where CUDA and Triton are present
-    monkeypatch.setattr(bench_postpass, "prepare_kernel", lambda *a: plan)
-    monkeypatch.setattr(bench_postpass, "run_kernel", lambda *a: launched.append(a))
     res = bench_postpass.host_us(te, kw, out, {"postpass": "always", "passthrough": "off"}, 20)
     assert len(te_calls) == 1, "the stub must stand in for TE's function"
-    assert "launch" in res and len(launched) == 30  # 10 warm-up rounds + 20
-    want = (plan, *out[:3], offs)  # TE's order: valid q/kv, padded q/kv
-    assert all(len(a) == 5 and all(x is y for x, y in zip(a[:4], want)) for a in launched)
-    assert all(all(x is y for x, y in zip(a[4], want[4])) for a in launched)
+    assert set(res) == {"stub", "did", "postpass", "passthrough"}
     assert res["did"]["postpass"]["fixed"] == 1 and res["did"]["passthrough"]["fixed"] == 0
     assert all(res["did"][m]["returned_stub_output"] for m in ("postpass", "passthrough"))
     assert (
         int((out[1] == 0).all(dim=(1, 2)).sum()) == bench_postpass.dead_rows(packed(512), 512)["kv"]
     )
+
+
+@pytest.mark.parametrize("cudnn", [(9, 14, 0), (9, 19, 0), (9, 27, 0), (9, 28, 0), None])
+def test_the_fallback_benchmark_judges_te_wrong_at_its_head_dim(
+    monkeypatch: pytest.MonkeyPatch, cudnn: Any
+) -> None:
+    """Its one knob makes whichever cuDNN TE runs judged wrong on live rows at head dim
+    256 (so the wrapper takes the exact fallback, as on a build measured wrong there) and
+    changes nothing else the rule says."""
+    monkeypatch.setattr(rules, "MEASURED", rules.MEASURED)  # put back afterwards
+    before = {d: rules.judge((9, 0), cudnn, d, d).status for d in (64, 128, 192)}
+    fallback_cost.judge_wrong_at(fallback_cost.D)
+    assert rules.judge((9, 0), cudnn, 256, 256).status == "live_rows_wrong"
+    assert {d: rules.judge((9, 0), cudnn, d, d).status for d in (64, 128, 192)} == before
+    assert rules.judge((8, 0), cudnn, 256, 256).status == "not_hopper"
+
+
+def _te_gqa_fix_uses(path: Path) -> List[str]:
+    """Every name of te-gqa-fix a script imports or reads: ``te_gqa_fix.X`` attributes and
+    ``from te_gqa_fix[.M] import X`` (as ``M.X``), nested functions included."""
+    tree = ast.parse(path.read_text())
+    used = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("te_gqa_fix"):
+            used += [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            used += [a.name for a in node.names if a.name.startswith("te_gqa_fix.")]
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "te_gqa_fix"
+        ):
+            used.append(f"te_gqa_fix.{node.attr}")
+    return used
+
+
+def test_benchmarks_use_the_public_api_and_wrapper_for_only() -> None:
+    """What the benchmarks time is what users call: a benchmark that reached into the
+    package's internals would time (and break with) something no user runs. The fallback
+    benchmark's knob (``rules.MEASURED``) is the one documented exception."""
+    allowed = {f"te_gqa_fix.{name}" for name in te_gqa_fix.__all__}
+    allowed.add("te_gqa_fix.wrapper.wrapper_for")
+    for path in sorted(BENCH.glob("*.py")):
+        extra = {"te_gqa_fix.rules"} if path.name == "fallback_cost.py" else set()
+        bad = [u for u in _te_gqa_fix_uses(path) if u not in allowed | extra]
+        assert not bad, f"{path.name} uses {bad}"
 
 
 def test_a_call_out_of_memory_while_timed_leaves_the_rounds_alone(

@@ -23,13 +23,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fakes import te_package
-from te_gqa_fix import validation
-from te_gqa_fix.cli import doctor, main, report
+from te_gqa_fix import checks, cudnn_route, postpass, rules
+from te_gqa_fix.cli import _live, doctor, main
 from te_gqa_fix.cli import plan as plan_module
 from te_gqa_fix.cli.plan import MAX_ROWS, PlanInput, build_plan
 from te_gqa_fix.postpass import dead_row_masks
 from te_gqa_fix.settings import SETTINGS
-from te_gqa_fix.stack import cudnn
 
 Runs = Sequence[Tuple[int, int, str, Optional[int]]]  # (first row, last row, code, sequence)
 
@@ -225,10 +224,18 @@ def test_plan_from_json_file_matches_flags(tmp_path: Path, capsys: pytest.Captur
     assert plan_module.plan_from_json(text).bottom_right_diagonal is True
 
 
-def test_plan_needs_offsets(capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize(
+    "args",
+    [["--cu-seqlens-q", "0,1"],
+     [*SEED_ARGS, "--file", ""]],  # before: an empty --file was ignored, exit 0
+    ids=["no-kv-offsets", "empty-file-name"],
+)  # fmt: skip
+def test_plan_usage_errors(capsys: pytest.CaptureFixture, args: List[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        main(["plan", "--cu-seqlens-q", "0,1"])
-    assert exc.value.code == 2
+        main(["plan", *args])
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and out == "", out
+    assert "te-gqa-fix: error: plan: " in err
 
 
 # ------------------------------------------------------------- plan: what it refuses
@@ -337,13 +344,13 @@ def test_plan_row_limit_is_inclusive() -> None:
 def test_plan_refuses_offsets_through_the_post_passs_own_gate(
     capsys: pytest.CaptureFixture, no_alloc: None, args: List[str], offsets: Tuple[Any, ...]
 ) -> None:
-    """plan's offset errors are the gate's (``te_gqa_fix.validation``), word for word, and
+    """plan's offset errors are the gate's (``te_gqa_fix.checks``), word for word, and
     come before any row-sized allocation."""
     t = [None if o is None else torch.tensor(o, dtype=torch.int32) for o in offsets]
     rows = [max(o[-1], 0) for o in (offsets[2] or offsets[0], offsets[3] or offsets[1])]
     with pytest.raises(ValueError) as gate:
-        validation.check_offsets(*t, rows_q=rows[0], rows_kv=rows[1])
-        validation.check_values(*rows, *t)
+        checks.offsets(*t, rows_q=rows[0], rows_kv=rows[1])
+        checks.offset_values(*rows, *t)
     assert main(["plan", *args]) == 2
     assert capsys.readouterr().err == f"te-gqa-fix plan: error: {gate.value}\n"
 
@@ -414,7 +421,7 @@ MAPS = """\
 
 
 def test_parse_cudnn_maps() -> None:
-    libs = cudnn.parse_cudnn_maps(MAPS)
+    libs = cudnn_route.parse_cudnn_maps(MAPS)
     assert [(lib.name, lib.version) for lib in libs] == [
         ("libcudnn_adv", "9.14.0"),
         ("libcudnn_engines_precompiled", "9.14.0"),
@@ -426,7 +433,7 @@ def test_parse_cudnn_maps() -> None:
 
 
 def test_cudnn_warnings_flag_mixed_sets_and_duplicates() -> None:
-    libs = cudnn.parse_cudnn_maps(MAPS)
+    libs = cudnn_route.parse_cudnn_maps(MAPS)
     warnings = doctor.cudnn_library_warnings(libs, (9, 14, 0), (9, 19, 0))
     text = "\n".join(warnings)
     assert "mix versions" in text and "9.14" in text and "9.19" in text
@@ -442,7 +449,7 @@ def test_cudnn_warnings_flag_mixed_sets_and_duplicates() -> None:
      (8000, (8, 0, 0)), (100000, (10, 0, 0))],
 )  # fmt: skip
 def test_decode_cudnn_version(encoded: int, expected: Tuple[int, int, int]) -> None:
-    assert cudnn.decode_cudnn_version(encoded) == expected
+    assert cudnn_route.decode_cudnn_version(encoded) == expected
 
 
 @pytest.mark.parametrize(
@@ -479,6 +486,36 @@ def test_decide_table(
     assert doctor.decide(verdict_status, live, fix_active, fallback)[:2] == (status, code)
 
 
+NEWEST_RIGHT = rules.version_text(rules.newest_right().cudnn[:2])  # 9.27 today
+
+
+@pytest.mark.parametrize("te_cudnn", [(9, 14, 0), (9, 19, 0), None])
+def test_doctor_advises_the_newest_right_build_to_an_older_one(te_cudnn) -> None:
+    wrong_with_fix = {"ran": True, "bug_observed": True, "fix_ok": False}
+    for status, live in (("unrepairable", None), ("affected", wrong_with_fix)):
+        advice = doctor.decide(status, live, True, False, te_cudnn)[2]
+        assert f"use cuDNN {NEWEST_RIGHT} or newer" in advice, (te_cudnn, advice)
+
+
+@pytest.mark.parametrize(
+    "status, live, fallback",
+    [("unrepairable", None, False),
+     ("affected", {"ran": True, "bug_observed": True, "fix_ok": False}, False),
+     ("not_affected", {"ran": True, "bug_observed": False, "fix_ok": False}, False)],
+)  # fmt: skip
+@pytest.mark.parametrize("te_cudnn", [(9, 27, 0), (9, 27, 2), (9, 28, 0)])
+def test_doctor_never_asks_to_install_the_cudnn_te_runs(status, live, fallback, te_cudnn) -> None:
+    """A stack on the newest measured build (or a newer one) that still goes wrong is
+    reported as such, never told to install what it runs (before: "use cuDNN 9.27 or
+    newer" to a 9.27 user)."""
+    code, advice = doctor.decide(status, live, True, fallback, te_cudnn)[1:]
+    assert code == doctor.EXIT_UNREPAIRABLE
+    assert f"use cuDNN {NEWEST_RIGHT}" not in advice and "or newer" not in advice, advice
+    assert "report this stack" in advice, advice
+    measured = rules.measurement_for(te_cudnn)[1]
+    assert ("measured right here" in advice) is measured, advice  # 9.28: not measured
+
+
 @pytest.mark.parametrize(
     "value, error",
     [("-1", "got -1"), ("0", "got 0"), ("257", "got 257"), ("100000", "got 100000"),
@@ -489,7 +526,7 @@ def test_doctor_refuses_a_head_dim_outside_1_to_256(
     capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, value: str, error: str
 ) -> None:
     ran: List[Any] = []
-    monkeypatch.setattr(doctor, "run", lambda **kw: ran.append(kw["head_dim"]) or 0)
+    monkeypatch.setattr(doctor, "run", lambda args: ran.append(args.head_dim) or 0)
     with pytest.raises(SystemExit) as exc:
         main(["doctor", "--no-live", "--head-dim", value])
     err = capsys.readouterr().err
@@ -538,7 +575,7 @@ def test_collect_wires_facts_live_check_fallback_and_fix_state(
     assert rep["verdict"]["fallback"] is protected
     if te_cudnn != "9.19.0":
         assert any("torch's cuDNN is 9.19.0" in w for w in rep["warnings"])
-    text = report.format_report(rep)
+    text = doctor.format_report(rep)
     assert f"(exit {code})" in text and "cuDNN (TE runs)      " + te_cudnn in text
     assert ("computes its gradients" in text) is protected
 
@@ -554,7 +591,7 @@ def test_doctor_and_plan_say_what_the_fallback_covers(
     doctor_probes("9.14.0")
     rep = doctor.collect(live=False)
     assert rep["fallback"] == list(lines)
-    text = report.format_report(rep)
+    text = doctor.format_report(rep)
     assert "exact fallback (TE_GQA_FIX_GUARD=fallback):\n  exact: one covered configuration\n" \
         "  declined: one that is not" in text  # fmt: skip
     assert main(["plan", *SEED_ARGS]) == 0
@@ -584,6 +621,107 @@ def test_doctor_lists_every_setting_and_skips_the_live_check_on_request(
     text = capsys.readouterr().out
     assert "  TE_GQA_FIX           always  ('ALWAYS')\n" in text
     assert "  TE_GQA_FIX_GUARD     fallback  (unset)\n" in text
+
+
+def test_doctor_judges_an_unreadable_cudnn_as_the_oldest_measured_build(
+    capsys: pytest.CaptureFixture, doctor_probes: Callable[..., List[str]]
+) -> None:
+    """Hopper, TE imported but not saying which cuDNN it runs: doctor says it could not
+    read it and judges the stack as the oldest measured build (stale rows; wrong on live
+    rows above 128), not as unknown (before: "cannot check", exit 3)."""
+    doctor_probes(None)
+    oldest = rules.version_text(rules.MEASURED[0].cudnn)
+    assert main(["doctor", "--no-live", "--json"]) == doctor.EXIT_AFFECTED
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["verdict"]["status"] == "affected"
+    said = " ".join(rep["unchecked"] + rep["verdict"]["reasons"])
+    assert "could not report" in said or "did not report" in said, said
+    assert f"oldest measured build, {oldest}" in said, said
+    assert main(["doctor", "--no-live", "--head-dim", "256"]) == doctor.EXIT_AFFECTED
+    text = capsys.readouterr().out
+    assert "cuDNN (TE runs)      unknown" in text
+    assert f"judged as the oldest measured build, {oldest}" in text
+    assert "verdict (known facts): UNREPAIRABLE" in text  # d 256 is wrong on 9.14's live rows
+    assert "the exact fallback (TE_GQA_FIX_GUARD=fallback) computes its gradients" in text
+
+
+def test_doctor_names_unknown_settings_with_the_closest_known_one(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+    doctor_probes: Callable[..., List[str]],
+) -> None:
+    """A misspelt setting is ignored by te-gqa-fix: doctor says so and names the setting it
+    likely meant (before: not mentioned at all)."""
+    doctor_probes("9.14.0")
+    monkeypatch.setenv("TE_GQA_FIX_GAURD", "strict")
+    monkeypatch.setenv("TE_GQA_FIX_ZZZZZZZZZZZZZZ", "1")
+    assert main(["doctor", "--no-live", "--json"]) == doctor.EXIT_AFFECTED
+    rep = json.loads(capsys.readouterr().out)
+    assert {"name": "TE_GQA_FIX_GAURD", "closest": "TE_GQA_FIX_GUARD"} in rep["unknown_settings"]
+    assert rep["settings"]["TE_GQA_FIX_GUARD"]["value"] == "fallback"  # the typo sets nothing
+    main(["doctor", "--no-live"])
+    text = capsys.readouterr().out
+    assert "TE_GQA_FIX_GAURD is not a te-gqa-fix setting (ignored); did you mean " \
+        "TE_GQA_FIX_GUARD?" in text  # fmt: skip
+    assert "TE_GQA_FIX_ZZZZZZZZZZZZZZ is not a te-gqa-fix setting (ignored)\n" in text
+
+
+@pytest.mark.parametrize("head_dim", [None, 256])
+def test_assume_installed_judges_an_affected_stack_as_protected(
+    capsys: pytest.CaptureFixture, doctor_probes: Callable[..., List[str]], head_dim
+) -> None:
+    """doctor runs in a process of its own, where a training script's install() never ran:
+    ``--assume-installed`` judges the stack as that script's (exit 0 where the fix, or its
+    exact fallback, covers it)."""
+    doctor_probes("9.14.0", installed=False)
+    args = ["doctor", "--no-live"] + ([] if head_dim is None else ["--head-dim", str(head_dim)])
+    assert main(args) == doctor.EXIT_AFFECTED
+    assert "te_gqa_fix.status()" in capsys.readouterr().out  # where to look, said
+    assert main([*args, "--assume-installed"]) == doctor.EXIT_HEALTHY
+    text = capsys.readouterr().out
+    assert "(--assume-installed: judged as installed)" in text
+    assert "status: healthy (exit 0): affected stack, and te-gqa-fix is active here" in text
+
+
+@pytest.mark.parametrize("assumed", [False, True])
+def test_doctor_with_the_fix_turned_off_is_not_healthy(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+    doctor_probes: Callable[..., List[str]],
+    assumed: bool,
+) -> None:
+    """TE_GQA_FIX=off makes an installed wrapper pass every call to TE untouched: an
+    affected stack is affected, whatever is installed (before: "healthy, te-gqa-fix is
+    active here"), and the advice says which setting turns the fix off."""
+    doctor_probes("9.14.0", installed=not assumed)
+    monkeypatch.setenv("TE_GQA_FIX", "off")
+    args = ["doctor", "--no-live"] + ["--assume-installed"] * assumed
+    assert main(args) == doctor.EXIT_AFFECTED
+    text = capsys.readouterr().out
+    assert "status: affected (exit 1): TE_GQA_FIX=off turns the fix off" in text
+    assert "post-pass            off: TE_GQA_FIX=off" in text
+
+
+@pytest.mark.parametrize(
+    "impl, why, said",
+    [("triton", None, "the Triton kernel"),
+     ("pytorch", "Triton is unavailable (ImportError: no triton)",
+      "PyTorch (Triton is unavailable (ImportError: no triton))")],
+)  # fmt: skip
+def test_doctor_names_the_post_pass_cuda_calls_get(
+    monkeypatch: pytest.MonkeyPatch,
+    doctor_probes: Callable[..., List[str]],
+    impl: str,
+    why: Optional[str],
+    said: str,
+) -> None:
+    """Where the post-pass runs, doctor says whether CUDA calls get the Triton kernel or
+    PyTorch's ops, and why PyTorch (a dozen device ops a call instead of one launch)."""
+    doctor_probes("9.14.0")
+    monkeypatch.setattr(postpass, "implementation", lambda: (impl, why))
+    rep = doctor.collect(live=False)
+    assert rep["post_pass"].endswith(f": {said}"), rep["post_pass"]
+    assert "  post-pass            runs on THD backward calls" in doctor.format_report(rep)
 
 
 # ----------------------------------------------------------- doctor: with a fake TE, or none
@@ -653,7 +791,7 @@ def test_live_check_sees_the_bug_and_the_fix(cpu_te, bug, sig, stale, observed, 
     """Stale values 1000 x group 2 in dK/dV rows 0-3 unpatched (none on a clean stack), none
     patched; the live rows right with the fix, unless damaged beyond repair (``broken``)."""
     cpu_te(bug, sig)
-    out = doctor.live_check(device="cpu", poison_numel=1024)
+    out = _live.live_check(device="cpu", poison_numel=1024)
     assert out.get("error") is None and out["ran"] is True
     before, after = out["unpatched"], out["patched"]
     assert before["max_abs_dk_rows_0_3"] == before["max_abs_dv_rows_0_3"] == stale
@@ -664,6 +802,23 @@ def test_live_check_sees_the_bug_and_the_fix(cpu_te, bug, sig, stale, observed, 
     assert out["bug_observed"] is observed and out["fix_ok"] is fix_ok
     exit_code = doctor.EXIT_HEALTHY if fix_ok else doctor.EXIT_UNREPAIRABLE
     assert doctor.decide("affected", out, True)[1] == exit_code
+
+
+def test_live_check_with_the_fix_turned_off_checks_no_fix(
+    cpu_te, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TE_GQA_FIX=off: the patched variant would be TE itself, so it is skipped and the fix
+    not judged (before: it read as the fix failing, "unrepairable", exit 4)."""
+    cpu_te("affected")
+    monkeypatch.setenv("TE_GQA_FIX", "off")
+    out = _live.live_check(device="cpu", poison_numel=1024)
+    assert out.get("error") is None and out["ran"] is True
+    assert out["bug_observed"] is True and out["fix_ok"] is None
+    assert out["patched"] == {"skipped": "TE_GQA_FIX=off"}
+    assert doctor.decide("affected", out, False)[1] == doctor.EXIT_AFFECTED
+    text = doctor.format_report({"live_check": out})
+    assert "patched     skipped: TE_GQA_FIX=off" in text
+    assert "with the fix: not checked (TE_GQA_FIX=off)" in text
 
 
 def test_doctor_with_an_importable_te_but_no_gpu(
@@ -690,19 +845,31 @@ def test_module_entry_point_and_version(
     assert exc.value.code == 0
     zeroed = json.loads(capsys.readouterr().out)["dkv"]["zeroed_rows"]
     assert zeroed == [0, 1, 2, 3, 7, 8, 9, 10, 11]
-    scripts = importlib.metadata.entry_points().select(group="console_scripts", name="te-gqa-fix")
-    assert all(ep.load() is main for ep in scripts)  # installed: te-gqa-fix is this main
+
+
+def test_no_command_is_a_usage_error_on_stderr(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """``python -m te_gqa_fix`` alone: the usage and what to give, on stderr, exit 2 (before:
+    the whole help on stdout, where a script piping doctor's JSON would read it)."""
+    monkeypatch.setattr(sys, "argv", ["te_gqa_fix"])
+    with pytest.raises(SystemExit) as exc:
+        runpy.run_module("te_gqa_fix", run_name="__main__")
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and out == ""
+    assert err.startswith("usage: te-gqa-fix") and "doctor or plan" in err
+    assert len(err.splitlines()) <= 3, err  # the usage, not the help
 
 
 # ----------------------------------------------------------------------------- cuDNN route
 
 
-def _builds(monkeypatch: pytest.MonkeyPatch, te_dir: str) -> None:
-    wheel = cudnn.CudnnBuild("/venv/site-packages/nvidia/cudnn/lib", (9, 19, 0), "wheel", "header")
-    system = cudnn.CudnnBuild("/usr/lib/x86_64-linux-gnu", (9, 14, 0), "system", "file name")
-    monkeypatch.setattr(cudnn, "find_builds", lambda: [wheel, system])
-    mapped = [cudnn.CudnnLibrary(f"{te_dir}/libcudnn.so.9", "libcudnn", None, "file name")]
-    monkeypatch.setattr(cudnn, "mapped_cudnn_libraries", lambda: mapped)
+def _builds(monkeypatch: pytest.MonkeyPatch, te_dir: str, *extra: Any) -> None:
+    wheel = cudnn_route.CudnnBuild("/venv/site-packages/nvidia/cudnn/lib", (9, 19, 0), "wheel", "header")  # fmt: skip
+    system = cudnn_route.CudnnBuild("/usr/lib/x86_64-linux-gnu", (9, 14, 0), "system", "file name")  # fmt: skip
+    monkeypatch.setattr(cudnn_route, "find_builds", lambda: [wheel, system, *extra])
+    mapped = [cudnn_route.CudnnLibrary(f"{te_dir}/libcudnn.so.9", "libcudnn", None, "file name")]
+    monkeypatch.setattr(cudnn_route, "mapped_cudnn_libraries", lambda: mapped)
 
 
 def test_doctor_names_the_switch_to_an_unused_fixed_build(
@@ -717,19 +884,42 @@ def test_doctor_names_the_switch_to_an_unused_fixed_build(
     assert rep["advice"].startswith("set TE_GQA_FIX_CUDNN=auto")
     runs = {b["version"]: b["te_runs"] for b in rep["cudnn_builds"]}
     assert runs == {"9.19.0": False, "9.14.0": True}
-    text = report.format_report(rep)
-    assert "switch to fixed cuDNN TE_GQA_FIX_CUDNN=auto" in text
-    assert "9.19.0    /venv/site-packages/nvidia/cudnn/lib  (wheel, fixed)" in text
-    assert "runs on THD backward calls" in rep["post_pass"]
+    text = doctor.format_report(rep)
+    assert "switch cuDNN         TE_GQA_FIX_CUDNN=auto" in text
+    assert "9.19.0    /venv/site-packages/nvidia/cudnn/lib  (wheel, right, fixed)" in text
+    assert "9.14.0    /usr/lib/x86_64-linux-gnu  (system, wrong, affected, TE runs this)" in text
+
+
+@pytest.mark.parametrize("te_runs", ["wheel", "system"])
+def test_doctor_never_names_a_switch_to_the_build_te_runs(
+    monkeypatch: pytest.MonkeyPatch, doctor_probes: Callable[..., List[str]], te_runs: str
+) -> None:
+    """TE on cuDNN 9.19 (right up to head dim 128, wrong at 256/128): no switch to 9.19
+    itself, wherever it is loaded from, nor to an older fixed build; one to 9.27 when
+    installed (before: "TE_GQA_FIX_CUDNN=auto (loads cuDNN 9.19.0 ...)", what runs)."""
+    doctor_probes("9.19.0")
+    older = cudnn_route.CudnnBuild("/opt/cudnn-9.18/lib", (9, 18, 0), "system", "header")
+    other = cudnn_route.CudnnBuild("/opt/cudnn-9.19/lib", (9, 19, 0), "system", "header")
+    te_dir = "/venv/site-packages/nvidia/cudnn/lib" if te_runs == "wheel" else other.lib_dir
+    _builds(monkeypatch, te_dir, older, other)
+    rep = doctor.collect(live=False)
+    assert rep["cudnn_route"]["switch"] is None, rep["cudnn_route"]["switch"]
+    assert "switch cuDNN" not in doctor.format_report(rep)
+    newest = cudnn_route.CudnnBuild("/opt/cudnn-9.27/lib", (9, 27, 0), "system", "header")
+    _builds(monkeypatch, te_dir, older, other, newest)
+    switch = doctor.collect(live=False)["cudnn_route"]["switch"]
+    assert switch.startswith("TE_GQA_FIX_CUDNN=/opt/cudnn-9.27/lib"), switch
 
 
 def test_doctor_on_the_route_is_healthy_even_for_head_dim_256(
     monkeypatch: pytest.MonkeyPatch, doctor_probes: Callable[..., List[str]]
 ) -> None:
-    """An unrepairable stack (d 256 on 9.14) that the route fixed reports healthy, with
-    the d 256 live case requested, no switch, no mix warning, and the pass-through state."""
+    """An unrepairable stack (d 256 on 9.14) that the route moved to 9.19 (measured right at
+    d 256) reports healthy, with the d 256 live case requested, no switch, no mix
+    warning, and the pass-through state."""
     calls = doctor_probes("9.19.0")
-    _builds(monkeypatch, "/venv/site-packages/nvidia/cudnn/lib")
+    right = cudnn_route.CudnnBuild("/venv/site-packages/nvidia/cudnn/lib", (9, 19, 0), "wheel", "header")  # fmt: skip
+    monkeypatch.setattr(cudnn_route, "find_builds", lambda: [right])
     seen = {}
 
     def fake_live(large_head_dim: bool = False) -> Dict[str, Any]:
@@ -738,12 +928,14 @@ def test_doctor_on_the_route_is_healthy_even_for_head_dim_256(
 
     monkeypatch.setattr(doctor, "live_check", fake_live)
     monkeypatch.setattr(
-        cudnn,
+        cudnn_route,
         "route_state",
-        lambda: {"setting": "auto", "chosen": "/venv/site-packages/nvidia/cudnn/lib",
+        lambda: {"setting": "TE_GQA_FIX_CUDNN='auto'", "chosen": right.lib_dir,
                  "chosen_version": "9.19.0", "loaded": ["x"], "verified": True,
                  "te_cudnn": "9.19.0", "error": None},
     )  # fmt: skip
+    mixed = {"version": "2.11", "cudnn": "9.14.0"}  # torch's cuDNN is not the one TE runs
+    monkeypatch.setattr(doctor, "torch_info", lambda: mixed)
     rep = doctor.collect(live=True, head_dim=256)
     assert calls == []  # the replaced live check ran instead
     assert seen == {"large": True}
@@ -751,4 +943,5 @@ def test_doctor_on_the_route_is_healthy_even_for_head_dim_256(
     assert rep["cudnn_route"]["switch"] is None
     assert rep["warnings"] == [] and rep["notes"]
     assert rep["post_pass"].startswith("pass-through")
-    assert "cuDNN route          auto: loaded cuDNN 9.19.0" in report.format_report(rep)
+    text = doctor.format_report(rep)
+    assert "cuDNN route          TE_GQA_FIX_CUDNN='auto': loaded cuDNN 9.19.0" in text

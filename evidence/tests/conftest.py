@@ -1,4 +1,5 @@
-"""The evidence harness's CPU tests import its scripts from evidence/ (not the library)."""
+"""The evidence harness's CPU tests import its scripts from evidence/ (not the library), and
+the test suite's helpers (``fakes``, ``thd``) from tests/."""
 
 from __future__ import annotations
 
@@ -6,5 +7,15 @@ import sys
 from pathlib import Path
 
 EVIDENCE = Path(__file__).resolve().parents[1]
-if str(EVIDENCE) not in sys.path:
-    sys.path.insert(0, str(EVIDENCE))
+TESTS = EVIDENCE.parent / "tests"
+for _folder in (TESTS, EVIDENCE):
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
+
+from fakes import background  # noqa: E402
+
+
+def pytest_sessionfinish() -> None:
+    """End the background jobs (the context-parallel dry run's torchrun) when these tests
+    run without tests/conftest.py, which does the same."""
+    background.stop_all()

@@ -3,34 +3,101 @@
 A test module registers a starter under the name of the fixture that reads its result
 (:data:`STARTERS`). When collection ends, ``tests/conftest.py`` starts every job a selected
 test needs and moves those tests to the end of the run; the fixture waits for its job
-(:func:`get`, which also starts a job no hook started). Jobs still running when the session
-ends are killed. A subprocess check stays what it was: only when it runs moves.
+(:func:`get`, which also starts a job no hook started). A subprocess check stays what it
+was: only when it runs moves.
+
+No process of a job outlives it (issue #51). torchrun starts each worker in a session of
+its own, so ending torchrun's process group leaves the workers running, adopted by PID 1.
+So every job's environment carries a mark of its own (:data:`MARK`), which every
+descendant inherits, and ending a job ends every process that carries its mark (read in
+``/proc/PID/environ``), wherever it was reparented. A job ends when it is waited for, when
+the session ends (:func:`stop_all`), at interpreter exit, on SIGTERM/SIGHUP, and, should
+this process be killed outright, through a reaper process that does the same once the
+pipe this process holds open reaches end of file.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
+
+#: The environment variable whose value names the job a process belongs to.
+MARK = "TEGQAFIX_TEST_JOB"  # not TE_GQA_FIX*: te-gqa-fix warns of unknown names
 
 #: fixture name -> ``start(folder)``: begins the work and returns its :class:`Job`, or None
 #: where it cannot run here (the fixture then skips)
 STARTERS: Dict[str, Callable[[Path], Optional[Job]]] = {}
 _JOBS: Dict[str, Optional[Job]] = {}
 
+# The reaper: waits for end of file on stdin (this process gone, or the job over), then
+# kills every process marked with its job's mark. Standard library only, no imports of ours.
+_REAPER = """
+import sys
+sys.stdin.buffer.read()
+sys.path[:0] = [sys.argv[2]]
+from background import kill_marked
+kill_marked(sys.argv[1])
+"""
+
+
+def marked(token: str) -> List[int]:
+    """The processes whose environment says they belong to job ``token`` (Linux; elsewhere
+    none can be read: an empty list)."""
+    want = f"{MARK}={token}".encode()
+    found = []
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return []
+    for pid in pids:
+        if pid == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if want in f.read().split(b"\0"):
+                    found.append(pid)
+        except OSError:  # gone, or not ours to read
+            continue
+    return found
+
+
+def kill_marked(token: str) -> None:
+    """SIGKILL every process of job ``token`` until none is left (a process forking while
+    it is found is found on the next pass)."""
+    for _ in range(50):
+        pids = marked(token)
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
 
 class Job:
-    """One subprocess (its own process group), its output kept in files of ``folder``."""
+    """One subprocess and everything it starts, its output kept in files of ``folder``."""
 
     def __init__(self, cmd: List[str], folder: Path, timeout: float, **popen: Any) -> None:
         self.folder, self.timeout = folder, timeout
+        self.token = uuid.uuid4().hex
+        env = dict(popen.pop("env", None) or os.environ, **{MARK: self.token})
         self._files = [open(folder / name, "w+") for name in ("stdout.txt", "stderr.txt")]
+        self._reaper: Optional[subprocess.Popen] = subprocess.Popen(
+            [sys.executable, "-c", _REAPER, self.token, str(Path(__file__).parent)],
+            stdin=subprocess.PIPE, start_new_session=True,
+        )  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=self._files[0], stderr=self._files[1],
-                                     text=True, start_new_session=True, **popen)  # fmt: skip
+                                     text=True, start_new_session=True, env=env, **popen)  # fmt: skip
+        _LIVE.append(self)
 
     def wait(self) -> subprocess.CompletedProcess:
         """What ``subprocess.run(..., capture_output=True, text=True)`` would have given."""
@@ -44,10 +111,20 @@ class Job:
         return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, out, err)
 
     def kill(self) -> None:
-        """Kill its process group while it runs (after, the group id may not be ours)."""
+        """End the job's process and every process it started, wherever reparented."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its group, as it was started
+        kill_marked(self.token)
+        self.proc.wait()
+        reaper, self._reaper = self._reaper, None
+        if reaper is not None:  # nothing is left: let it go
+            reaper.stdin.close()  # type: ignore[union-attr]
+            reaper.wait()
+        if self in _LIVE:
+            _LIVE.remove(self)
+
+
+_LIVE: List[Job] = []  # every job not yet killed, whoever started it
 
 
 def get(name: str) -> Optional[Job]:
@@ -61,9 +138,27 @@ def get(name: str) -> Optional[Job]:
 
 
 def stop_all() -> None:
-    for job in filter(None, _JOBS.values()):
+    """End every job (and its processes), and remove the jobs :func:`get` started."""
+    for job in list(_LIVE):
         job.kill()
+    for job in filter(None, _JOBS.values()):
         for f in job._files:
             f.close()
         shutil.rmtree(job.folder, ignore_errors=True)
     _JOBS.clear()
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    """SIGTERM/SIGHUP: end the jobs, then die of the signal as before."""
+    stop_all()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+atexit.register(stop_all)
+for _sig in (signal.SIGTERM, signal.SIGHUP):
+    if signal.getsignal(_sig) in (signal.SIG_DFL, None):  # never over someone else's handler
+        try:
+            signal.signal(_sig, _on_signal)
+        except ValueError:  # imported outside the main thread: the reaper still acts
+            pass

@@ -1,6 +1,6 @@
 """Import a script of this repository (not part of any package) by its path.
 
-The CPU tests of ``tests/gpu/report.py``, ``tests/multigpu/cp_check.py`` and the Megatron
+The CPU tests of ``evidence/multigpu/cp_check.py`` and the Megatron
 check test what those scripts compute before they ever reach a GPU machine.
 """
 

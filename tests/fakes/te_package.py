@@ -377,6 +377,8 @@ def write_fake_te(
             "from .dot_product_attention import DotProductAttention\n" if context_parallel else ""
         ),
         "transformer_engine/pytorch/attention/dot_product_attention/__init__.py": (
+            # TE's DotProductAttention loads both modules that call fused_attn_bwd
+            "from . import backends, context_parallel  # noqa: F401\n"
             "from fakes.te_cp import DotProductAttention, _attention_backends  # noqa: F401\n"
             if context_parallel
             else ""
@@ -387,8 +389,9 @@ def write_fake_te(
         cp += _CONTEXT_PARALLEL_REPLAY if consumers else ""
         cp += _CONTEXT_PARALLEL_CP if context_parallel else ""
         files[CONSUMERS["context_parallel"].replace(".", "/") + ".py"] = cp
-    if signature and consumers:
+    if signature and (consumers or context_parallel):
         files[CONSUMERS["backends"].replace(".", "/") + ".py"] = _BACKENDS
+    if signature and consumers:
         files[CONSUMERS["late"].replace(".", "/") + ".py"] = _LATE
         files["fake_framework/__init__.py"] = ""
         files["fake_framework/attn.py"] = _FRAMEWORK

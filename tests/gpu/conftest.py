@@ -1,9 +1,8 @@
 """GPU test fixtures: skip cleanly without CUDA or Transformer Engine; record results.
 
-Tests here need a CUDA GPU and TE; they run on the GPU machine (see docs/validation.md
-for the command). ``TE_GQA_FIX_RECORD=path.jsonl`` makes them append one JSON record per
-case (and one describing the stack: ``te_gqa_fix.stack.versions.stack_summary``) for
-``tests/gpu/report.py``.
+Tests here need a CUDA GPU and TE; they run on the GPU machine (``evidence/run_validation.sh``).
+``TE_GQA_FIX_RECORD=path.jsonl`` makes them append one JSON record per case, and one
+describing the stack (``evidence/stack_probe.py``'s), for ``evidence/validation_report.py``.
 """
 
 from __future__ import annotations
@@ -11,18 +10,22 @@ from __future__ import annotations
 import json
 import os
 import re
+from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 import pytest
 import torch
 
-from te_gqa_fix.stack.affected import verdict
-from te_gqa_fix.stack.versions import stack_summary, te_cudnn_version
+from fakes.scripts import load_script
+from te_gqa_fix import rules
+from te_gqa_fix._te import te_cudnn_version
 
 # The cuDNN backend must be the one under test: no flash-attn, no unfused fallback.
 os.environ.setdefault("NVTE_FLASH_ATTN", "0")
 os.environ.setdefault("NVTE_UNFUSED_ATTN", "0")
 os.environ.setdefault("NVTE_FUSED_ATTN", "1")
+
+STACK_PROBE = Path(__file__).resolve().parents[2] / "evidence" / "stack_probe.py"
 
 
 def _te_or_reason() -> Tuple[Optional[Any], str]:
@@ -58,9 +61,23 @@ def cudnn(te) -> Tuple[int, int, int]:
 
 
 @pytest.fixture(scope="session")
-def affected(capability, cudnn) -> bool:
-    """The one rule (te_gqa_fix.stack.affected): Hopper with cuDNN older than 9.18 (TE #2186)."""
-    return verdict(capability, cudnn).status == "affected"
+def verdict(capability, cudnn) -> rules.Verdict:
+    """The rule (:func:`te_gqa_fix.rules.judge`) for this GPU and cuDNN, head dims <= 128."""
+    return rules.judge(capability, cudnn)
+
+
+@pytest.fixture(scope="session")
+def affected(verdict, cudnn) -> bool:
+    """TE leaves stale workspace in rows of sequences without queries here, unpatched:
+    Hopper with a cuDNN older than the upstream fix (9.18, TE #2186)."""
+    return verdict.status in ("stale_rows", "live_rows_wrong") and cudnn < rules.CUDNN_FIXED
+
+
+@pytest.fixture(scope="session")
+def passes_through(verdict) -> bool:
+    """The wrapper leaves TE's calls untouched here under the default policy: this cuDNN
+    was measured right on this GPU (an unmeasured build keeps the post-pass)."""
+    return verdict.status == "right"
 
 
 _RECORD = os.environ.get("TE_GQA_FIX_RECORD")
@@ -75,8 +92,9 @@ def _write(rec: Dict[str, Any]) -> None:
 @pytest.fixture(scope="session", autouse=True)
 def _record_stack():
     te_pt, _ = _te_or_reason()
-    if te_pt is not None:
-        _write({"kind": "stack", **stack_summary()})
+    if te_pt is not None and _RECORD:
+        probe = load_script("te_gqa_fix_evidence_stack_probe", STACK_PROBE)
+        _write({"kind": "stack", **probe.probe()})
     yield
 
 

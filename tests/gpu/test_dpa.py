@@ -11,16 +11,8 @@ import pytest
 import torch
 
 import te_gqa_fix
-from te_gqa_fix.stack.affected import cudnn_is_fixed
-from te_gqa_fix.testing import (
-    compare,
-    corrupted,
-    exact,
-    make_batch,
-    poison_allocator,
-    random_inputs,
-    references,
-)
+from te_gqa_fix import rules
+from thd import compare, corrupted, exact, make_batch, poison_allocator, random_inputs, references
 
 pytestmark = pytest.mark.gpu
 
@@ -74,7 +66,7 @@ def _batch(hq: int, hkv: int, seed: int):
 
 
 @pytest.mark.parametrize("heads", [(8, 2), (16, 1)])
-def test_dpa_thd_gqa(te, cudnn, affected, heads, record):
+def test_dpa_thd_gqa(te, cudnn, affected, passes_through, heads, record):
     hq, hkv = heads
     batch = _batch(hq, hkv, seed=7)
     refs = references(batch)
@@ -99,17 +91,17 @@ def test_dpa_thd_gqa(te, cudnn, affected, heads, record):
         **patched,
     )
     assert counts["calls"] >= 1, counts  # TE's own call site reached the wrapper
-    # ... and it repaired the call, or passed it through because TE's cuDNN is fixed.
-    assert counts["fixed" if not cudnn_is_fixed(cudnn) else "skipped"] >= 1, counts
+    # ... and it repaired the call, or passed it through: TE's cuDNN was measured right here.
+    assert counts["skipped" if passes_through else "fixed"] >= 1, counts
     assert exact(patched), patched
     if affected:
         assert corrupted(unpatched), unpatched
 
 
-def test_dpa_steady_state(te, cudnn, affected, monkeypatch, record):
+def test_dpa_steady_state(te, cudnn, affected, passes_through, monkeypatch, record):
     """Training repeats one shape every step: the wrapper decides it once, compiles the
-    kernel once, and every step is exact after a poisoned workspace (affected: the
-    post-pass; fixed: the pass-through)."""
+    kernel once, and every step is exact after a poisoned workspace (the post-pass; on a
+    cuDNN measured right, the pass-through)."""
     from te_gqa_fix import wrapper as wrapper_module
 
     batch = _batch(8, 2, seed=11)
@@ -127,8 +119,8 @@ def test_dpa_steady_state(te, cudnn, affected, monkeypatch, record):
     record(cudnn=".".join(map(str, cudnn)), affected=affected, counts=counts,
            decisions=len(decided), **steps[-1])  # fmt: skip
     assert counts["calls"] == 5, counts
-    assert len(decided) == 1, decided  # the fixed cuDNN's pass-through is decided once too
-    assert counts["fixed" if not cudnn_is_fixed(cudnn) else "skipped"] == 5, counts
+    assert len(decided) == 1, decided  # the pass-through is decided once too
+    assert counts["skipped" if passes_through else "fixed"] == 5, counts
     for i, res in enumerate(steps):
         assert exact(res), (i, res)
 
@@ -178,8 +170,6 @@ def test_dpa_large_head_dims(
     deterministic mode (``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``, as Megatron-Core sets it),
     where two steps give bitwise equal gradients. Sequences with gaps between them, and back
     to back without padded offsets (DotProductAttention then passes the valid ones)."""
-    from te_gqa_fix.stack.affected import verdict
-
     monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0" if deterministic else "1")
     gaps = dict(gap_q=[2, 0, 4, 1], gap_kv=[0, 2, 0, 4]) if layout == "gaps" else {}
     batch = make_batch([40, 0, 64, 20], [48, 30, 64, 20], heads_q=8, heads_kv=2,
@@ -201,7 +191,7 @@ def test_dpa_large_head_dims(
     res = compare(batch, first, references(batch))
     counts = te_gqa_fix.call_counts()
     bitwise = all(torch.equal(a, b) for a, b in zip(first, second))
-    unrepairable = verdict(capability, cudnn, *dims).status == "unrepairable"
+    unrepairable = rules.judge(capability, cudnn, *dims).status == "live_rows_wrong"
     record(cudnn=".".join(map(str, cudnn)), mask=mask, layout=layout, dims=dims,
            deterministic=deterministic, counts=counts, bitwise_repeatable=bitwise, **res)  # fmt: skip
     assert counts["fallback"] == 2 * int(unrepairable), counts

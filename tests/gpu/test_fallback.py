@@ -7,14 +7,15 @@ statistics of an unknown layout, and a declined call raising through the wrapper
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import pytest
 import torch
 
-from te_gqa_fix import fallback
+from te_gqa_fix import UnrepairableConfiguration, fallback, rules
+from te_gqa_fix._te import Args
 from te_gqa_fix.postpass import zero_dead_rows
-from te_gqa_fix.testing import (
+from thd import (
     ThdBatch,
     compare,
     dead_masks,
@@ -61,6 +62,14 @@ def _batch(case: str, heads, dims, seed: int = 0) -> ThdBatch:
     except Exception as exc:
         pytest.skip(f"TE's forward refuses this configuration: {exc}")
     return batch
+
+
+def _declined(call: Dict[str, Any]) -> Optional[str]:
+    """Why the fallback declines this call (None: it serves it), as the wrapper asks."""
+    recipe = fallback.decide(
+        Args(**{name: call.get(name) for name in Args._fields}), "bottom_right_diagonal" in call
+    )
+    return recipe if isinstance(recipe, str) else None
 
 
 def _self_attention(call: Dict[str, Any]) -> None:
@@ -120,7 +129,7 @@ def test_exact_backward_matches_fp32(te, cudnn, dims, heads, case, variant, reco
     call = te_call(batch, **extra)
     if CASES[case][2]:
         _self_attention(call)
-    assert fallback.why_not(call) is None, fallback.why_not(call)
+    assert _declined(call) is None, _declined(call)
     counting = _Counting()
     monkeypatch.setattr(fallback, "_aten", counting)
     out = fallback.exact_backward(call)
@@ -165,14 +174,13 @@ def test_statistics_of_another_layout_recompute_the_forward(te, record, monkeypa
     assert counting.forwards == 1 and exact(res), res
 
 
-def test_declined_call_raises_under_the_default_guard(te, record):
+def test_declined_call_raises_under_the_default_guard(te, capability, cudnn, record):
     """Where the rule says q/k 256 with v 128 is wrong (9.14, 9.19), a call with dropout,
     which the fallback cannot replay, raises under the default guard before TE runs, naming
     the reason. A cuDNN measured right there (9.27) has nothing to refuse."""
     from te_gqa_fix import fused_attn_bwd
-    from te_gqa_fix.stack.affected import UnrepairableConfiguration, why_unrepairable
 
-    if why_unrepairable(torch.cuda.current_device(), 256, 128) is None:
+    if rules.judge(capability, cudnn, 256, 128).status != "live_rows_wrong":
         pytest.skip("this cuDNN is measured right at q/k 256, v 128: the guard refuses nothing")
     batch = _batch("causal_br", HEADS["gqa"], DIMS["256-128"], seed=4)
     with pytest.raises(UnrepairableConfiguration, match="dropout") as err:

@@ -12,7 +12,9 @@ import torch
 
 import te_gqa_fix
 from fakes.cuda_checks import capture, no_host_sync
-from te_gqa_fix.testing import (
+from te_gqa_fix import postpass
+from te_gqa_fix.wrapper import unwrap, wrapper_for
+from thd import (
     GRADS,
     compare,
     dead_masks,
@@ -23,7 +25,6 @@ from te_gqa_fix.testing import (
     te_backward,
     te_forward,
 )
-from te_gqa_fix.wrapper import unwrap, wrapper_for
 
 pytestmark = pytest.mark.gpu
 
@@ -55,6 +56,12 @@ def _batch(i, h=(8, 2), d=64, mask="padding_causal"):
     return b
 
 
+def _need_kernel(impl: str) -> None:
+    kernel, why = postpass.implementation()
+    if impl == "triton" and kernel != "triton":
+        pytest.skip(f"the Triton post-pass is not available here: {why}")
+
+
 def test_buffers_have_same_shape_across_patterns():
     shapes = {(_batch(i).rows_q, _batch(i).rows_kv) for i in range(len(PATTERNS))}
     assert len(shapes) == 1, shapes
@@ -62,10 +69,7 @@ def test_buffers_have_same_shape_across_patterns():
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_postpass_never_syncs(te, impl):
-    from te_gqa_fix.postpass import launch
-
-    if impl == "triton" and not launch.available():
-        pytest.skip("triton not available")
+    _need_kernel(impl)
     b = _batch(1)
     dk = torch.randn(b.rows_kv, 2, 64, device="cuda")
     dv = torch.randn_like(dk)
@@ -80,10 +84,7 @@ def test_postpass_never_syncs(te, impl):
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_postpass_graph_replay_new_offsets(te, impl, record):
-    from te_gqa_fix.postpass import launch
-
-    if impl == "triton" and not launch.available():
-        pytest.skip("triton not available")
+    _need_kernel(impl)
     b0 = _batch(0)
     static = {k: v.clone() for k, v in b0.offsets("cuda").items()}
     grads = {
@@ -174,8 +175,8 @@ site.addsitedir(sys.argv[1])  # runs te_gqa_fix_autopatch.pth as interpreter sta
 import transformer_engine.pytorch  # the hook installs the fix here
 import te_gqa_fix
 from fakes.cuda_checks import capture
-from te_gqa_fix.testing import (compare, exact, large_head_dim_batch, random_inputs,
-                                references, te_backward, te_forward)
+from thd import (compare, exact, large_head_dim_batch, random_inputs, references, te_backward,
+                 te_forward)
 assert te_gqa_fix.is_installed(), "the start-up hook did not install the fix"
 batch = large_head_dim_batch(256, (8, 2))
 random_inputs(batch, seed=9)
@@ -186,8 +187,9 @@ graph, out = capture(lambda: te_backward(batch, cuda_graph=True))
 graph.replay()
 torch.cuda.synchronize()
 res = compare(batch, out, references(batch))
-from te_gqa_fix.stack import affected
-expected = affected.why_unrepairable(torch.cuda.current_device(), 256, 256) is not None
+from te_gqa_fix import _te, rules
+verdict = rules.judge(torch.cuda.get_device_capability(), _te.te_cudnn_version(), 256, 256)
+expected = verdict.status == "live_rows_wrong"
 print("RESULT", exact(res), te_gqa_fix.call_counts()["fallback"], expected, res)
 """
 

@@ -1,8 +1,8 @@
 """Head dims above 128, where cuDNN < 9.18 on Hopper is wrong on live rows too.
 
 ``test_rule_matches_te`` measures TE's own backward (plus the post-pass) at each head dim and
-checks the rule in ``te_gqa_fix.stack.affected`` against it: exact exactly where the rule says
-repairable. Through the wrapper every case must be exact: the post-pass where it repairs,
+checks the rule (``te_gqa_fix.rules.judge``) against it: exact exactly where the rule does
+not say ``live_rows_wrong``. Through the wrapper every case must be exact: the post-pass where it repairs,
 the exact fallback where the rule says it cannot, and on a fixed cuDNN TE itself.
 """
 
@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import te_gqa_fix
-from te_gqa_fix.stack import affected
-from te_gqa_fix.testing import (
+from te_gqa_fix import rules
+from te_gqa_fix.wrapper import unwrap, wrapper_for
+from thd import (
     compare,
     exact,
     large_head_dim_batch,
@@ -25,17 +26,17 @@ from te_gqa_fix.testing import (
     te_backward,
     te_forward,
 )
-from te_gqa_fix.wrapper import unwrap, wrapper_for
 
 pytestmark = pytest.mark.gpu
 
-#: (q/k head dim, v head dim): the measured table behind stack/affected.py's rule.
+#: (q/k head dim, v head dim): the measured table behind te_gqa_fix.rules.MEASURED.
 SURVEY = [(160, 160), (192, 192), (224, 224), (256, 256), (192, 128), (256, 128), (128, 128)]
 HEADS = [(8, 8), (8, 2), (8, 1)]
 
 
-def _status(capability, cudnn, d_qk: int, d_v: int) -> str:
-    return affected.verdict(capability, cudnn, d_qk, d_v).status
+def _wrong_on_live_rows(capability, cudnn, d_qk: int, d_v: int) -> bool:
+    """The rule says TE is wrong on rows that receive attention: no post-pass repairs it."""
+    return rules.judge(capability, cudnn, d_qk, d_v).status == "live_rows_wrong"
 
 
 def _case(te, dims, heads, seed):
@@ -56,10 +57,10 @@ def test_rule_matches_te(te, capability, cudnn, dims, heads, record):
         out[0], out[1], out[2], **batch.offsets("cuda"), attn_mask_type=batch.mask
     )
     res = compare(batch, out, references(batch))
-    status = _status(capability, cudnn, *dims)
+    status = rules.judge(capability, cudnn, *dims).status
     record(cudnn=".".join(map(str, cudnn)), d=dims[0], d_v=dims[1], heads=f"{heads[0]}/{heads[1]}",
            status=status, te_exact=exact(res), **res)  # fmt: skip
-    assert exact(res) == (status != "unrepairable"), (status, res)
+    assert exact(res) == (status != "live_rows_wrong"), (status, res)
 
 
 @pytest.mark.parametrize("heads", HEADS, ids=["mha", "gqa", "mqa"])
@@ -67,14 +68,13 @@ def test_rule_matches_te(te, capability, cudnn, dims, heads, record):
 def test_wrapper_exact(te, capability, cudnn, dims, heads, record):
     """Through the wrapper, default settings: exact everywhere; the fallback runs exactly
     where the rule says the post-pass cannot repair."""
-    affected.reset()
     batch, original = _case(te, dims, heads, seed=sum(dims) * 3 + heads[1])
     wrapper = wrapper_for(original)
     te_gqa_fix.reset_call_counts()
     poison_allocator(1000.0)
     res = compare(batch, te_backward(batch, fn=wrapper), references(batch))
     counts = te_gqa_fix.call_counts()
-    unrepairable = _status(capability, cudnn, *dims) == "unrepairable"
+    unrepairable = _wrong_on_live_rows(capability, cudnn, *dims)
     record(cudnn=".".join(map(str, cudnn)), d=dims[0], d_v=dims[1], heads=f"{heads[0]}/{heads[1]}",
            fallback=counts["fallback"], exact=exact(res), **res)  # fmt: skip
     assert counts["fallback"] == int(unrepairable), counts
@@ -84,15 +84,15 @@ def test_wrapper_exact(te, capability, cudnn, dims, heads, record):
 @pytest.mark.parametrize("mode", ["warn", "strict", "fallback"])
 def test_guard_modes(te, capability, cudnn, mode, monkeypatch, caplog, record):
     """d 256 GQA: ``warn`` says so once and returns TE's result, ``strict`` raises,
-    ``fallback`` logs once that it computes exactly; nothing at all on a fixed cuDNN."""
-    affected.reset()
+    ``fallback`` logs once that it computes exactly; nothing at all on a cuDNN measured
+    right there."""
     monkeypatch.setenv("TE_GQA_FIX_GUARD", mode)
     batch, original = _case(te, (256, 256), (8, 2), seed=7)
     wrapper = wrapper_for(original)
-    expected = _status(capability, cudnn, 256, 256) == "unrepairable"
+    expected = _wrong_on_live_rows(capability, cudnn, 256, 256)
     with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
         if mode == "strict" and expected:
-            with pytest.raises(affected.UnrepairableConfiguration, match="head dim 256"):
+            with pytest.raises(te_gqa_fix.UnrepairableConfiguration, match="head dim 256"):
                 te_backward(batch, fn=wrapper)
             return
         te_backward(batch, fn=wrapper)
@@ -111,8 +111,7 @@ def test_wrapper_exact_with_the_torch_post_pass(te, capability, cudnn, dims, mon
     """The same through the PyTorch post-pass (as after a kernel failure): still exact."""
     from te_gqa_fix import postpass
 
-    monkeypatch.setattr(postpass, "_broken", True)
-    affected.reset()
+    monkeypatch.setattr(postpass, "_no_kernel", "the Triton kernel failed (forced by the test)")
     batch, original = _case(te, dims, (8, 2), seed=11)
     te_gqa_fix.reset_call_counts()
     poison_allocator(float("nan"))

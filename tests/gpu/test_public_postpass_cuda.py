@@ -13,7 +13,7 @@ Needs CUDA (and Triton for ``impl="triton"``); not Transformer Engine.
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import List
 
 import pytest
 import torch
@@ -23,11 +23,10 @@ from hypothesis import strategies as st
 import te_gqa_fix
 from fakes.cuda_checks import capture, no_host_sync
 from fakes.oracle import assert_rows, bits, expected_keep, make_ragged
-from te_gqa_fix import postpass, zero_dead_rows
+from te_gqa_fix import OffsetsError, _kernel, postpass, zero_dead_rows
+from te_gqa_fix._te import release
+from te_gqa_fix.checks import ARGUMENT_BITS
 from te_gqa_fix.masks import key_span
-from te_gqa_fix.postpass import launch, offset_errors
-from te_gqa_fix.postpass.offset_errors import OffsetsError
-from te_gqa_fix.stack.versions import release
 
 pytestmark = pytest.mark.gpu
 
@@ -39,14 +38,8 @@ def _need(impl: str) -> None:
         pytest.skip("needs a CUDA device")
     if impl == "triton":
         pytest.importorskip("triton")
-        assert launch.available(), "Triton imports but the post-pass is unavailable"
-
-
-@pytest.fixture(autouse=True)
-def _records() -> Any:
-    offset_errors._reset()
-    yield
-    offset_errors._reset()
+        kernel, why = postpass.implementation()
+        assert kernel == "triton", f"Triton imports but CUDA calls get PyTorch: {why}"
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -86,14 +79,14 @@ def test_public_post_pass_on_cuda_matches_the_oracle(
         dv = torch.randn(ragged.rows_kv, 2, 16, generator=gen).to(dtype).cuda()
     before = [t.cpu() for t in (dq, dk, dv)]
     launches = []
-    real = launch.run_kernel
-    launch.run_kernel = lambda *a: (launches.append(1), real(*a))  # type: ignore[assignment]
+    real = postpass.KernelLaunch.run
+    postpass.KernelLaunch.run = lambda *a: (launches.append(1), real(*a))  # type: ignore[method-assign]
     try:
         zero_dead_rows(dq if with_q else None, dk, dv, *ragged.tensors("cuda"),
                        attn_mask_type=mask, window_size=window, bottom_right_diagonal=brd,
                        impl=impl)  # fmt: skip
     finally:
-        launch.run_kernel = real  # type: ignore[assignment]
+        postpass.KernelLaunch.run = real  # type: ignore[method-assign]
     torch.cuda.synchronize()
     assert bool(launches) == (impl == "triton"), "the implementation asked for did not run"
     if with_q:
@@ -144,7 +137,7 @@ def test_impossible_offsets_zero_nothing_and_surface_at_the_next_call(impl: str,
             zero_dead_rows(dq, dk, dv, *good, impl=impl)
     zero_dead_rows(dq, dk, dv, *good, impl=impl)  # cleared: goes through
     te_gqa_fix.check_offset_errors(synchronize=True)
-    assert not postpass._broken, "the kernel failed (pinned error word refused?)"
+    assert postpass._no_kernel is None, postpass._no_kernel  # the kernel failed? (pinned word)
 
 
 def test_check_offset_errors_sees_the_last_call() -> None:
@@ -191,41 +184,43 @@ def test_pinned_word_is_written_by_triton_directly() -> None:
     ragged, dq, dk, dv = _case()
     offs: List[torch.Tensor] = list(ragged.tensors("cuda"))
     offs[3] = torch.tensor([0, 5, 11, 99], dtype=torch.int32, device="cuda")
-    word = offset_errors.kernel_flag(dk.device)
+    plan = postpass.prepare(dq, dk, dv, tuple(offs), key_span("padding_causal"))
+    assert plan is not None
+    word = plan.err  # the device's record: slot 0 is the kernel's
     assert word.is_pinned() and word.device.type == "cpu"
-    plan = launch.prepare(dq, dk, dv, tuple(offs), key_span("padding_causal"))
-    launch.run_kernel(plan, dq, dk, dv, tuple(offs))
+    plan.run(dq, dk, dv, tuple(offs))
     torch.cuda.synchronize()
-    assert int(word[0]) == offset_errors.ARGUMENT_BITS["cu_seqlens_kv_padded"]
+    assert int(word[0]) == ARGUMENT_BITS["cu_seqlens_kv_padded"]
 
 
 def test_the_launch_entry_gets_what_tritons_launcher_passes() -> None:
-    """``launch.launch_entry`` against this Triton: called as the post-pass calls it, the C
-    entry point receives exactly what ``CompiledKernel.run`` passes it (on the releases of
-    ``C_ENTRY_RELEASES`` the entry is the C entry point itself; elsewhere it is ``run``)."""
+    """``postpass.launch_entry`` against this Triton: called as the post-pass calls it, the
+    C entry point receives exactly what ``CompiledKernel.run`` passes it (on the releases
+    of ``C_ENTRY_RELEASES`` the entry is the C entry point itself; elsewhere it is ``run``)."""
     _need("triton")
     import triton
 
     ragged, dq, dk, dv = _case()
     offs = tuple(ragged.tensors("cuda"))
-    plan = launch.prepare(dq, dk, dv, offs, key_span("padding_causal"))
-    compiled = launch.kernel.build()[plan.grid](dq, dk, dv, *offs, plan.err, *plan.scalars, **plan.meta)  # fmt: skip
+    plan = postpass.prepare(dq, dk, dv, offs, key_span("padding_causal"))
+    assert plan is not None
+    compiled = _kernel.build()[plan.grid](dq, dk, dv, *offs, plan.err, *plan.scalars, **plan.meta)  # fmt: skip
     run = compiled.run
     seen: List[tuple] = []
     real_launch = run.launch
     run.launch = lambda *a: seen.append(a)
     try:
-        constants = launch.kernel.build().arg_names[8 + len(plan.scalars) :]
+        constants = _kernel.build().arg_names[8 + len(plan.scalars) :]
         args = (
-            *(t.data_ptr() for t in (dq, dk, dv, *offs)), plan.err_ptr, *plan.scalars,
+            *(t.data_ptr() for t in (dq, dk, dv, *offs)), plan.err.data_ptr(), *plan.scalars,
             *(plan.meta[n] for n in constants),
         )  # fmt: skip
         stream = torch.cuda.current_stream().cuda_stream
         run(*plan.grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)  # fmt: skip
-        entry, between = launch.launch_entry(compiled, triton.__version__)
+        entry, between = postpass.launch_entry(compiled, triton.__version__)
         entry(*plan.grid, stream, *between, *args)
     finally:
         run.launch = real_launch
     assert len(seen) == 2 and seen[0] == seen[1], seen
-    c_entry = release(triton.__version__) in launch.C_ENTRY_RELEASES
+    c_entry = release(triton.__version__) in postpass.C_ENTRY_RELEASES
     assert (entry is not run) == c_entry, (triton.__version__, entry)

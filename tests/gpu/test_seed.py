@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import te_gqa_fix
-from te_gqa_fix.stack.affected import cudnn_is_fixed
-from te_gqa_fix.testing import (
+from te_gqa_fix.rules import CUDNN_FIXED
+from te_gqa_fix.wrapper import unwrap, wrapper_for
+from thd import (
     compare,
     corrupted,
     exact,
@@ -24,7 +25,6 @@ from te_gqa_fix.testing import (
     te_backward,
     te_forward,
 )
-from te_gqa_fix.wrapper import unwrap, wrapper_for
 
 pytestmark = pytest.mark.gpu
 
@@ -63,7 +63,7 @@ def test_seed_unpatched_shows_bug_where_affected(te, cudnn, affected, record):
         # pool rather than the poisoned 1 GiB block: what it holds is stale, not the
         # sentinel (8.95 on the H200). The sweep's larger shapes read sentinel x group.
         assert corrupted(res), "expected stale workspace in rows 0-3 on an affected stack"
-    elif cudnn_is_fixed(cudnn):
+    elif cudnn >= CUDNN_FIXED:
         assert not corrupted(res), "cuDNN >= 9.18 should not show the bug"
 
 

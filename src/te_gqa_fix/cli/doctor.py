@@ -220,11 +220,17 @@ def decide(
     live = live or {}
     ran = bool(live.get("ran"))
     right = rules.newest_right().cudnn
-    upgrade = (
-        f"use cuDNN {rules.version_text(right[:2])} or newer (the newest build measured right)"
-        if te_cudnn is None or tuple(te_cudnn)[:2] < right[:2]
-        else "please report this stack: it was measured right here"
-    )
+    if te_cudnn is None or tuple(te_cudnn)[:2] < right[:2]:
+        upgrade = (
+            f"use cuDNN {rules.version_text(right[:2])} or newer (the newest build measured right)"
+        )
+    elif rules.measurement_for(te_cudnn)[1]:
+        upgrade = "please report this stack: it was measured right here"
+    else:  # newer than every measured build
+        upgrade = (
+            f"please report this stack: cuDNN {rules.version_text(te_cudnn)} was not measured "
+            f"(cuDNN {rules.version_text(right[:2])}, the newest build measured right, was)"
+        )
     if ran and live.get("fix_ok") is False:
         return (
             "unrepairable",
@@ -276,24 +282,34 @@ def _builds_section(libs: Sequence[CudnnLibrary], te_cudnn, torch_cudnn) -> List
 
 
 def _switch(builds: Sequence[Dict[str, Any]], te_cudnn) -> Optional[str]:
-    """The one setting that makes TE run an installed build measured right, if TE runs
-    another (or any fixed build, where none was measured)."""
+    """The one setting that makes TE run an installed build better than the one it runs:
+    newer, or measured right where TE's own build was not measured; never the build TE
+    runs (by major and minor version), from wherever it is loaded."""
     if te_cudnn is None:
         return None
     m, own = rules.measurement_for(te_cudnn)
     if own and m.right:
         return None
+    runs = tuple(te_cudnn)[:2]
+
+    def better(b: Dict[str, Any]) -> bool:
+        v = (version_tuple(b["version"]) or ())[:2]
+        return v != runs and (v > runs or (b["measured"] == "right" and not own))
+
+    def rank(b: Dict[str, Any]) -> Tuple[bool, Tuple[int, ...]]:  # cudnn_route.choose's order
+        return b["measured"] == "right", version_tuple(b["version"]) or ()
+
     usable = [b for b in builds if b["fixed"] and b["measured"] in ("right", "unmeasured")]
-    if not usable:
-        return None
     wheels = [b for b in usable if b["origin"] == "wheel"]
-    if not wheels:
-        best = max(
-            usable, key=lambda b: (b["measured"] == "right", version_tuple(b["version"]) or ())
-        )
-        return f"{cudnn_route.ENV_CUDNN}={best['lib_dir']}  (cuDNN {best['version']}, {best['measured']})"
-    best = max(wheels, key=lambda b: (b["measured"] == "right", version_tuple(b["version"]) or ()))
-    return f"{cudnn_route.ENV_CUDNN}=auto  (loads cuDNN {best['version']} from {best['lib_dir']}, {best['measured']})"
+    auto = max(wheels, key=rank, default=None)  # what TE_GQA_FIX_CUDNN=auto loads
+    if auto is not None and better(auto):
+        return f"{cudnn_route.ENV_CUDNN}=auto  (loads cuDNN {auto['version']} from {auto['lib_dir']}, {auto['measured']})"
+    best = max(filter(better, usable), key=rank, default=None)
+    if best is None:
+        return None
+    return (
+        f"{cudnn_route.ENV_CUDNN}={best['lib_dir']}  (cuDNN {best['version']}, {best['measured']})"
+    )
 
 
 def _fix_info() -> Dict[str, Any]:
@@ -394,7 +410,8 @@ def collect(
         )
     report["verdict"] = dict(status=status, reasons=reasons, head_dim=head_dim, fallback=fallback)
     report["fallback"] = _fallback_coverage()
-    report["post_pass"] = _post_pass(capability, te_cudnn)
+    policy = report["settings"]["TE_GQA_FIX"]["value"]
+    report["post_pass"] = _post_pass(capability, te_cudnn, policy)
 
     if not live:
         report["live_check"] = {"ran": False, "skipped": "--no-live"}
@@ -406,7 +423,12 @@ def collect(
         if report["live_check"].get("error"):
             unchecked.append(f"live check failed: {report['live_check']['error']}")
     installed = bool(report["fix"].get("installed")) or assume_installed
-    status, code, advice = decide(status, report["live_check"], installed, fallback, te_cudnn)
+    active = installed and policy != "off"  # off: the wrapper passes every call to TE
+    status, code, advice = decide(status, report["live_check"], active, fallback, te_cudnn)
+    if code == EXIT_AFFECTED and policy == "off":
+        advice = "TE_GQA_FIX=off turns the fix off: unset it (auto is the default)" + (
+            "" if installed else f"; and {advice}"
+        )
     switch = report["cudnn_route"]["switch"]
     report.update(
         unchecked=unchecked,
@@ -428,8 +450,10 @@ def _fallback_coverage() -> List[str]:
     return list(coverage())
 
 
-def _post_pass(capability, te_cudnn) -> str:
+def _post_pass(capability, te_cudnn, policy: str = "auto") -> str:
     """What the wrapper does with GQA calls here, and which post-pass CUDA calls get."""
+    if policy == "off":
+        return "off: TE_GQA_FIX=off: the wrapper passes every call to TE untouched"
     if capability is not None and rules.judge(capability, te_cudnn).status == "right":
         return (
             "pass-through: the cuDNN TE runs was measured right here, so the wrapper does "
@@ -473,7 +497,13 @@ def _live_lines(live: Dict[str, Any]) -> List[str]:
         table("", "max|dK| rows 0-3", "max|dV| rows 0-3", "max err live rows"),
     ]
     for name in ("unpatched", "patched"):
-        lines.append(table(name, *(_fmt(live.get(name, {}).get(k)) for k in keys)))
+        got = live.get(name, {})
+        skipped = got.get("skipped")
+        lines.append(
+            f"  {name:<11} skipped: {skipped}"
+            if skipped
+            else table(name, *(_fmt(got.get(k)) for k in keys))
+        )
     seen = "YES" if live.get("bug_observed") else "no (not triggered this time)"
     lines.append(f"  bug observed without the fix: {seen}")
     large = live.get("large_head_dim")
@@ -487,6 +517,8 @@ def _live_lines(live: Dict[str, Any]) -> List[str]:
             right = "exact" if large.get("exact") else "WRONG"
             lines.append(f"    max err dQ/dK/dV {errs} (bounds {bounds}): {right}")
     ok = "exact (rows 0-3 are 0, live rows match fp32)" if live.get("fix_ok") else "WRONG"
+    if live.get("fix_ok") is None:
+        ok = f"not checked ({live.get('patched', {}).get('skipped')})"
     return [*lines, f"  with the fix: {ok}"]
 
 

@@ -1,24 +1,29 @@
-"""CPU tests of issue 11's Megatron-Core check (tests/multigpu/megatron/check.py) and of the
-pure parts of examples/megatron_core.py (the packed dataset, the grad statistics).
+"""CPU tests of issue 11's Megatron-Core check (evidence/multigpu/megatron/check.py) and of
+the pure parts of examples/megatron_core.py (the packed dataset, the grad statistics).
 
 No GPU, TE or Megatron-Core: synthetic run JSONs stand in for the GPU runs, so the
-comparison's pass/fail logic is checked before the GPU machine ever runs it."""
+comparison's pass/fail logic is checked before the GPU machine ever runs it; the start-up
+hook's log line the check looks for comes from the hook itself, with a fake TE."""
 
 from __future__ import annotations
 
 import ast
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Dict, List, Optional
 
 import pytest
 
+from fakes import te_package
 from fakes.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
-CHECK = ROOT / "tests" / "multigpu" / "megatron" / "check.py"
+CHECK = ROOT / "evidence" / "multigpu" / "megatron" / "check.py"
 EXAMPLE = ROOT / "examples" / "megatron_core.py"
 
 
@@ -35,7 +40,7 @@ def ex() -> ModuleType:
 # ----------------------------------------------------------------------------- synthetic runs
 
 STEPS = 12
-FIX_LINE = "te_gqa_fix: te_gqa_fix: installed by TE_GQA_FIX_AUTOPATCH after transformer_engine.pytorch was imported (3 sites rebound)"
+FIX_LINE = "te_gqa_fix: installed: 3 call sites of fused_attn_bwd rebound"  # as the hook logs
 
 
 def curve(scale: float = 0.0, seed: int = 0) -> Dict[str, List[float]]:
@@ -239,6 +244,33 @@ def test_main_exits_nonzero_when_b_does_not_match(ck, tmp_path):
 def test_main_usage_errors(ck, tmp_path):
     assert ck.main([str(tmp_path / "nope")]) == 2
     assert ck.main([str(tmp_path)]) == 2  # no run JSON
+
+
+# The example's logging set-up, then TE's import with the start-up file of src/ run as
+# site-packages runs it: what a run's log holds about the fix.
+HOOK_RUN = """
+import logging, site, sys
+logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+site.addsitedir(sys.argv[1])
+import transformer_engine.pytorch
+"""
+
+
+def test_the_hook_logs_the_line_the_check_looks_for(ck, tmp_path):
+    """TE_GQA_FIX_AUTOPATCH=1 and a (fake) TE import: the run's log has the line that
+    makes the check see the fix on (before: the check looked for the old hook's wording, so
+    every run with the fix read as one without)."""
+    fake = te_package.write_fake_te(tmp_path / "te")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TE_GQA_FIX")}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [*te_package.pythonpath(fake, ROOT / "src"), env.get("PYTHONPATH", "")]
+    )
+    cmd = [sys.executable, "-c", HOOK_RUN, str(ROOT / "src")]
+    on = subprocess.run(cmd, env={**env, "TE_GQA_FIX_AUTOPATCH": "1"}, capture_output=True,
+                        text=True, timeout=300)  # fmt: skip
+    assert on.returncode == 0, on.stderr
+    assert ck.fix_seen({}, on.stderr)["log_line"] is True, on.stderr
+    assert ck.fix_seen({}, "te_gqa_fix: some other line\n")["log_line"] is False
 
 
 # ----------------------------------------------------------------------------- the example

@@ -1,10 +1,10 @@
 """TE context parallelism (THD + GQA) on >= 2 GPUs, patched and unpatched.
 
-The work is done by ``cp_check.py`` in this folder (a torchrun script); this file only
+The work is done by ``evidence/multigpu/cp_check.py`` (a torchrun script); this file only
 launches it and asserts on its results, so both of these work::
 
-    python -m pytest tests/multigpu -m multigpu -q            # spawns torchrun itself
-    torchrun --nproc-per-node 2 -m pytest tests/multigpu -m multigpu -x -q
+    python -m pytest tests/gpu -m multigpu -q            # spawns torchrun itself
+    torchrun --nproc-per-node 2 -m pytest tests/gpu -m multigpu -x -q
 
 Launched by plain pytest, the test starts ``torchrun --standalone`` with one process per
 visible GPU (``TE_GQA_FIX_CP_NPROC`` overrides) and reads the JSON it writes. Launched
@@ -37,8 +37,8 @@ from fakes.scripts import load_script
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPT = os.path.join(HERE, "cp_check.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "evidence", "multigpu", "cp_check.py")
 _MODULE = "te_gqa_fix_tests_cp_check"
 
 

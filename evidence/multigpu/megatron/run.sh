@@ -3,8 +3,8 @@
 #   a  cuDNN 9.14 (system), fix off        b  cuDNN 9.14, TE_GQA_FIX_AUTOPATCH=1
 #   c  cuDNN 9.19 (pip), fix off           d  CP 1 on one GPU (system cuDNN, fix on)
 # and the same with --poison (allocator-poisoning trigger) for a, b and c, then
-# tests/multigpu/megatron/check.py. Run from the repo root with the GPU kit staged (TE in
-# /tmp/te-site) and .whl-mcore/ carried (tests/multigpu/megatron/stage_mcore.sh).
+# evidence/multigpu/megatron/check.py. Run from the repo root with the GPU kit staged (TE in
+# /tmp/te-site) and .whl-mcore/ carried (evidence/multigpu/megatron/stage_mcore.sh).
 # Everything lands in $RES (default /tmp/megatron-results), packed as $OUT/megatron.tgz;
 # summary.md is also copied to $OUT. Exit status: check.py's.
 # Knobs: STEPS (24), RUNS ("a b c d a_poison b_poison c_poison"), RUN_TIMEOUT (110 s).
@@ -71,7 +71,7 @@ for name in $runs; do
   [ "$rc" -ne 0 ] && tail -25 "$res/$name.log"
 done
 
-python3 tests/multigpu/megatron/check.py "$res" >"$res/check.txt" 2>&1
+python3 evidence/multigpu/megatron/check.py "$res" >"$res/check.txt" 2>&1
 rc=$?
 cat "$res/check.txt"
 cp "$res/summary.md" "$out/megatron_summary.md" 2>/dev/null

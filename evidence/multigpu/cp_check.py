@@ -3,7 +3,7 @@
 Run under torchrun; the rank count comes from the launcher (``WORLD_SIZE``), never assumed::
 
     source .gpu-kit/env.sh && \\
-      torchrun --standalone --nproc-per-node 2 tests/multigpu/cp_check.py --out "$OUT"
+      torchrun --standalone --nproc-per-node 2 evidence/multigpu/cp_check.py --out "$OUT"
 
 Every rank builds the same global packed batch (seeded on the CPU, so bit-identical),
 splits it with TE's own THD partitioning helper (DualChunkSwap), and runs
@@ -56,14 +56,19 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:  # loaded by path (pytest) rather than run as a script
-    sys.path.insert(0, HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
+# cp_report beside it; the evidence harness (stack_probe); the test harness (thd). Loaded
+# by path (pytest) or run as a script: either way these folders are on the path.
+for _folder in (os.path.join(ROOT, "tests"), os.path.dirname(HERE), HERE):
+    if _folder not in sys.path:
+        sys.path.insert(0, _folder)
 
 from cp_report import check_results, summary_table, write_results  # noqa: E402
 
-from te_gqa_fix.stack.affected import cudnn_is_fixed  # noqa: E402
-from te_gqa_fix.stack.versions import te_cudnn_version  # noqa: E402
-from te_gqa_fix.testing import ThdBatch, reference_attention, tolerance  # noqa: E402
+import stack_probe  # noqa: E402
+from te_gqa_fix import rules  # noqa: E402
+from te_gqa_fix._te import te_cudnn_version  # noqa: E402
+from thd import ThdBatch, reference_attention, tolerance  # noqa: E402
 
 TENSORS = ("out", "dq", "dk", "dv")
 COMM_TYPES = ("p2p", "all_gather", "a2a")
@@ -226,7 +231,7 @@ def thd_batch(
 
 
 def reference_pair(batch: ThdBatch, device: torch.device) -> Dict[str, Dict[str, torch.Tensor]]:
-    """The one reference (``te_gqa_fix.testing.reference_attention``), in fp32 (really:
+    """The one reference (``thd.reference_attention``), in fp32 (really:
     no TF32) and in the batch's own precision (the yardstick of the bound), with the
     output named ``out`` as in this harness's records."""
     refs = {}
@@ -269,7 +274,7 @@ def _forward(dpa: Any, b: Any, q: Any, k: Any, v: Any, cu: Any, cu_pad: Any) -> 
 
 @dataclass
 class Case:
-    """One shape of the sweep: the packed batch (``testing.ThdBatch``, self-attention:
+    """One shape of the sweep: the packed batch (``thd.ThdBatch``, self-attention:
     q and kv share offsets), the longest padded sequence, and its token and padding rows."""
 
     shape: str
@@ -297,7 +302,7 @@ class Runner:
         self.created_pg = False
         # --cpu-dry-run: gloo on CPU against a fake TE, to exercise this harness only.
         self.cuda = not args.cpu_dry_run
-        #: TE runs a fixed cuDNN under TE_GQA_FIX=auto: the wrapper passes calls through.
+        #: TE runs a cuDNN measured right here, TE_GQA_FIX=auto: the wrapper passes through.
         self.pass_through = False
         backend = "nccl" if self.cuda else "gloo"
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -333,17 +338,18 @@ class Runner:
 
     # -- environment ------------------------------------------------------------------
 
+    def capability(self) -> Optional[Tuple[int, int]]:
+        return torch.cuda.get_device_capability(self.device) if self.cuda else None
+
     def stack(self) -> Dict[str, Any]:
-        """The stack line (``te_gqa_fix.stack.versions.stack_summary``), the rule's verdict for it
-        (``te_gqa_fix.stack.affected``), and this run's own facts (ranks, policy, argv, env)."""
+        """The stack line (``evidence/stack_probe.py``'s), the rule's verdict for it
+        (``te_gqa_fix.rules.judge``), and this run's own facts (ranks, policy, argv, env)."""
         import te_gqa_fix
         from te_gqa_fix.settings import get as setting
-        from te_gqa_fix.stack.affected import verdict
-        from te_gqa_fix.stack.versions import stack_summary, te_cudnn_version
 
-        info: Dict[str, Any] = stack_summary()
-        capability = torch.cuda.get_device_capability(self.device) if self.cuda else None
-        rule = verdict(capability, te_cudnn_version())
+        info: Dict[str, Any] = stack_probe.probe()
+        cudnn = te_cudnn_version()
+        rule = rules.judge(self.capability(), cudnn)
         if not self.cuda:
             info["gpu"] = "cpu (dry run)"
         info.update(
@@ -355,7 +361,10 @@ class Runner:
             te_gqa_fix=te_gqa_fix.__version__,
             te_gqa_fix_policy=setting("TE_GQA_FIX"),
             verdict=rule.status,
-            bug_expected=rule.status == "affected",
+            # stale rows unpatched: Hopper with a cuDNN older than the upstream fix
+            bug_expected=rule.status in ("stale_rows", "live_rows_wrong")
+            and cudnn is not None
+            and cudnn < rules.CUDNN_FIXED,
             argv=sys.argv,
             env={
                 k: v
@@ -727,7 +736,7 @@ class Runner:
                 harness.append(
                     (f"rank {r} patched", i["installed"], "te_gqa_fix.is_installed() False")
                 )
-                # On a fixed cuDNN the wrapper passes through under TE_GQA_FIX=auto.
+                # On a cuDNN measured right the wrapper passes through under TE_GQA_FIX=auto.
                 want = "skipped" if self.pass_through else "fixed"
                 harness.append(
                     (f"rank {r} {want} calls > 0", cc[want] > 0, f"call_counts delta {cc}")
@@ -861,7 +870,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--cpu-dry-run",
         action="store_true",
         help="exercise this harness on CPU with gloo (needs a fake transformer_engine on "
-        "PYTHONPATH, see test_cp_check_helpers.py); tests nothing about TE",
+        "PYTHONPATH, see evidence/tests/test_cp_check_helpers.py); tests nothing about TE",
     )
     p.add_argument(
         "--debug-te",
@@ -887,7 +896,7 @@ def run(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     try:
         results["stack"] = runner.stack()
         runner.pass_through = results["stack"].get("te_gqa_fix_policy") == "auto" and (
-            cudnn_is_fixed(te_cudnn_version())
+            rules.judge(runner.capability(), te_cudnn_version()).status == "right"
         )
         # The cuDNN every worker's TE runs (TE_GQA_FIX_CUDNN acts per process).
         per_rank: List[Any] = [None] * runner.world

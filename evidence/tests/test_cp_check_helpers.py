@@ -1,6 +1,7 @@
-"""CPU tests of cp_check.py's pure parts: batch shapes, the DualChunkSwap cross-check, the
-fp32/bf16 references (te_gqa_fix.testing's, against SDPA), and cp_report.py's pass/fail logic. No GPU, no TE: they run in CI, so the
-multi-GPU script's bookkeeping is checked before it ever reaches the GPU machine."""
+"""CPU tests of evidence/multigpu/cp_check.py's pure parts: batch shapes, the DualChunkSwap
+cross-check, the fp32/bf16 references (tests/thd.py's, against SDPA), and cp_report.py's
+pass/fail logic. No GPU, no TE: they run in CI, so the multi-GPU script's bookkeeping is
+checked before it ever reaches the GPU machine."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import torch
 from fakes import background, te_package
 from fakes.scripts import load_script
 
-SCRIPT = Path(__file__).with_name("cp_check.py")
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "evidence" / "multigpu" / "cp_check.py"
 
 
 @pytest.fixture(scope="module")
@@ -261,8 +263,6 @@ def test_results_are_strict_json_and_summarised(cr, tmp_path):
 # un-partition, references, install/uninstall and call counts, JSON, exit status) on CPU
 # with gloo, against the fake TE (fakes/te_package.py with context_parallel=True) whose
 # fused_attn_bwd writes the bug's sentinel.
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _start_dry_runs(folder: Path) -> Optional[background.Job]:

@@ -1,6 +1,6 @@
 """Compare the Megatron-Core training runs of issue 11 and say whether the fix is exact.
 
-    python3 tests/multigpu/megatron/check.py RESULTS_DIR [--md summary.md] [--csv curves.csv]
+    python3 evidence/multigpu/megatron/check.py RESULTS_DIR [--md summary.md] [--csv curves.csv]
 
 ``RESULTS_DIR`` holds ``<name>.json`` (written by ``examples/megatron_core.py --out``) and
 ``<name>.log`` (its stdout + stderr) for the runs of ``run.sh``:
@@ -14,7 +14,7 @@ d      CP 1 on one GPU, same global batch (system cuDNN, fix on; CP 1 has no q-e
 *_poison  the same with ``--poison`` (the allocator-poisoning trigger of the bug notes)
 ====== ================================================================================
 
-The tolerance is the repository's rule (tests/gpu/checks.py, cp_check.py: flash-attention's
+The tolerance is the repository's rule (tests/thd.py's ``tolerance``, cp_check.py: flash-attention's
 "twice the error of the same computation in the same precision, plus a few ulps of the
 reference's magnitude"), applied to training curves. There is no fp32 training run (TE's
 fused attention has no fp32 path), so "the same computation in the same precision" is the
@@ -23,7 +23,7 @@ other legitimate bf16 run: for (b) against the reference (c), the allowed differ
 
     bound_t = factor * max_{s <= t} |c_s - d_s|  +  ulps * eps_bf16 * |c_t|
 
-with ``factor`` 2 and ``ulps`` 4 as in checks.py, and the same against (d) with the roles of
+with ``factor`` 2 and ``ulps`` 4 as in thd.py, and the same against (d) with the roles of
 (c) and (d) swapped. ``|c - d|`` is how far two correct bf16 runs of the same training drift
 apart (a different cuDNN release's kernels, a different CP split, TE's non-deterministic
 dQ accumulation); the running maximum keeps the band from collapsing where the two curves
@@ -37,8 +37,9 @@ because it would make the comparison meaningless): every run completed every ste
 started from bit-identical weights (``init_checksum``) and trained on the same loss tokens;
 (a)/(b) ran cuDNN < 9.18 on Hopper (else (a) cannot show the bug) and (c) >= 9.18; the fix
 was active in (b)/(d) and not in (a)/(c), seen twice: the ``te_gqa_fix`` logger's line
-"installed by TE_GQA_FIX_AUTOPATCH" in the log, and TE's ``fused_attn_bwd`` names carrying
-``__wrapped__`` in the JSON.
+"installed: N call sites of fused_attn_bwd rebound" in the log (the example calls no
+te-gqa-fix function: only the start-up hook installs), and TE's ``fused_attn_bwd`` names
+carrying ``__wrapped__`` in the JSON.
 
 Exit status 0 when (b) matches and the preconditions hold; 1 otherwise; 2 on bad usage.
 """
@@ -55,7 +56,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 EPS_BF16 = 2.0**-7  # torch.finfo(torch.bfloat16).eps
 QUANTITIES = ("loss", "grad_norm", "attn_qkv", "attn_proj")
-FIX_LOG_LINE = "installed by TE_GQA_FIX_AUTOPATCH"
+#: te_gqa_fix.patch.install's INFO line, as the example's logging format shows it.
+FIX_LOG_LINE = "te_gqa_fix: installed: "
 LABELS = {
     "a": "(a) cuDNN 9.14, fix off",
     "b": "(b) cuDNN 9.14, fix on",
@@ -342,7 +344,7 @@ def markdown(report: Dict[str, Any], runs: Dict[str, Dict[str, Any]]) -> str:
     lines += [
         "",
         f"Tolerance: |test - ref| <= {report['factor']} x running max |c - d| + "
-        f"{report['ulps']} x eps_bf16 x |ref| per step (tests/multigpu/megatron/check.py).",
+        f"{report['ulps']} x eps_bf16 x |ref| per step (evidence/multigpu/megatron/check.py).",
         "",
     ]
     if report.get("spread_c_d"):

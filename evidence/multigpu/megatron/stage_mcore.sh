@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Megatron-Core for the GPU machine (no network there), the way ../shared/gpu-kit brings TE.
 #
-# HERE (your machine, project root):   bash tests/multigpu/megatron/stage_mcore.sh
+# HERE (your machine, project root):   bash evidence/multigpu/megatron/stage_mcore.sh
 #   fills .whl-mcore/ (git-ignored) with
 #   * megatron-core 0.19.2 (cp312 manylinux wheel, ~2.4 MB). Nothing else: what
 #     megatron.core imports for GPTModel + the TE layer spec + parallel_state + DDP +

@@ -1,1 +1,0 @@
-"""Multi-process (torchrun) tests: context parallelism with THD + GQA."""
