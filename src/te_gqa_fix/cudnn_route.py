@@ -101,9 +101,11 @@ class CudnnBuild:
 
     @property
     def measured(self) -> str:
-        """What the measured table says of this build: ``right`` (its own measurement, no
-        stale rows, no zero-length trouble), ``wrong`` (its own measurement says otherwise),
-        ``unmeasured``, or ``unknown`` (no version)."""
+        """What the measured table says of this build: ``right`` (its own measurement says
+        right up to head dim 128, as :func:`te_gqa_fix.rules.judge` without head dims: no
+        stale rows, no zero-length trouble; wrong shapes above 128 are the fallback's),
+        ``wrong`` (its own measurement says otherwise), ``unmeasured``, or ``unknown`` (no
+        version)."""
         if self.version is None:
             return "unknown"
         m, own = rules.measurement_for(self.version)

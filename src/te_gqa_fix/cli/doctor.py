@@ -288,7 +288,7 @@ def _switch(builds: Sequence[Dict[str, Any]], te_cudnn) -> Optional[str]:
     if te_cudnn is None:
         return None
     m, own = rules.measurement_for(te_cudnn)
-    if own and m.right:
+    if own and m.right_at_every_shape:
         return None
     runs = tuple(te_cudnn)[:2]
 
