@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tests on each cuDNN build (GPU machine, repository root, GPU kit staged):
 # doctor --json, then `pytest tests -m gpu` (every gpu-marked test, tests/gpu and the
-# GPU cases of the CPU files) with per-case records (TE_GQA_FIX_RECORD) and junit
+# GPU cases of the CPU files) with per-case records (GPU_TESTS_RECORD) and junit
 # outcomes. Raw outputs only, in ${RES:-/tmp/te-gqa-fix-validation}; evidence/run_all.sh
 # turns them into a file of blocks to merge into docs/data/validation.jsonl.
 # Knobs: BUILDS, PYTEST_TIMEOUT, PYTEST_ARGS.
@@ -20,7 +20,7 @@ for build in $builds; do
     timeout 120 python3 -m te_gqa_fix doctor --json >"$res/doctor-$build.json" 2>"$res/doctor-$build.log"
     echo "doctor ($build): exit $?"
     rm -f "$res/records-$build.jsonl"
-    TE_GQA_FIX_RECORD="$res/records-$build.jsonl" timeout "${PYTEST_TIMEOUT:-420}" \
+    GPU_TESTS_RECORD="$res/records-$build.jsonl" timeout "${PYTEST_TIMEOUT:-420}" \
       python3 -m pytest tests -m gpu -q -p no:cacheprovider --junitxml="$res/junit-$build.xml" \
       ${PYTEST_ARGS:-} >"$res/pytest-$build.log" 2>&1
     echo "pytest ($build): exit $?"

@@ -3,7 +3,7 @@
 docs/data/validation.jsonl (blocks keyed by build and suite: see evidence_common.py).
 
 ``collect`` turns one GPU run's raw outputs into a file of the blocks that run measured
-(the records the GPU tests append under ``TE_GQA_FIX_RECORD``, pytest's outcomes and
+(the records the GPU tests append under ``GPU_TESTS_RECORD``, pytest's outcomes and
 doctor's verdict: suite ``tests``; the one-GPU examples: ``examples``; the
 context-parallel check: ``cp``; ``examples/context_parallel.py``: ``examples-multigpu``;
 the Megatron-Core check: ``megatron``). ``merge`` puts such a file into the data file,

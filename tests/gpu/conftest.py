@@ -1,7 +1,7 @@
 """GPU test fixtures: skip cleanly without CUDA or Transformer Engine; record results.
 
 Tests here need a CUDA GPU and TE; they run on the GPU machine (``evidence/run_validation.sh``).
-``TE_GQA_FIX_RECORD=path.jsonl`` makes them append one JSON record per case, and one
+``GPU_TESTS_RECORD=path.jsonl`` makes them append one JSON record per case, and one
 describing the stack (``evidence/stack_probe.py``'s), for ``evidence/validation_report.py``.
 """
 
@@ -80,7 +80,7 @@ def passes_through(verdict) -> bool:
     return verdict.status == "right"
 
 
-_RECORD = os.environ.get("TE_GQA_FIX_RECORD")
+_RECORD = os.environ.get("GPU_TESTS_RECORD")
 
 
 def _write(rec: Dict[str, Any]) -> None:

@@ -7,9 +7,9 @@ launches it and asserts on its results, so both of these work::
     torchrun --nproc-per-node 2 -m pytest tests/gpu -m multigpu -x -q
 
 Launched by plain pytest, the test starts ``torchrun --standalone`` with one process per
-visible GPU (``TE_GQA_FIX_CP_NPROC`` overrides) and reads the JSON it writes. Launched
+visible GPU (``CP_CHECK_NPROC`` overrides) and reads the JSON it writes. Launched
 under torchrun, every rank runs the checks in-process; the rank count is the launcher's
-``WORLD_SIZE``. Extra ``cp_check.py`` arguments come from ``TE_GQA_FIX_CP_ARGS`` (e.g.
+``WORLD_SIZE``. Extra ``cp_check.py`` arguments come from ``CP_CHECK_ARGS`` (e.g.
 ``"--heads 8/2,32/8 --comm p2p"``); results go to ``$OUT`` when set, else a temp dir.
 
 Skips cleanly without CUDA, without Transformer Engine, or with fewer than 2 GPUs (or a
@@ -54,7 +54,7 @@ def _under_torchrun() -> bool:
 
 
 def _extra_args() -> List[str]:
-    return shlex.split(os.environ.get("TE_GQA_FIX_CP_ARGS", ""))
+    return shlex.split(os.environ.get("CP_CHECK_ARGS", ""))
 
 
 def _skip_reason() -> str:
@@ -77,10 +77,10 @@ def _skip_reason() -> str:
 
 def _spawn(out_dir: str) -> Dict[str, Any]:
     """Run cp_check.py under torchrun in a subprocess; return its results JSON."""
-    nproc = int(os.environ.get("TE_GQA_FIX_CP_NPROC", str(torch.cuda.device_count())))
+    nproc = int(os.environ.get("CP_CHECK_NPROC", str(torch.cuda.device_count())))
     if nproc < 2:
-        pytest.skip(f"TE_GQA_FIX_CP_NPROC={nproc}: context parallelism needs >= 2 ranks")
-    timeout = float(os.environ.get("TE_GQA_FIX_CP_TIMEOUT", "480"))
+        pytest.skip(f"CP_CHECK_NPROC={nproc}: context parallelism needs >= 2 ranks")
+    timeout = float(os.environ.get("CP_CHECK_TIMEOUT", "480"))
     cmd = [
         sys.executable,
         "-m",
