@@ -15,6 +15,7 @@ import inspect
 import itertools
 import logging
 import random
+import re
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -25,6 +26,7 @@ from fakes import background
 from fakes.interpreter import results, start_checks, worker_main
 from te_gqa_fix import fallback
 from te_gqa_fix._te import OFFSET_NAMES, Args, Signature
+from te_gqa_fix.errors import InputError
 from te_gqa_fix.fallback._row_moves import move_rows
 from te_gqa_fix.postpass import zero_dead_rows
 from thd import (
@@ -584,9 +586,6 @@ DECLINED = [
     (dict(window_size=(-2, 0)), "window_size"),
     (dict(bottom_right_diagonal="yes", attn_mask_type="padding"), "bottom_right_diagonal"),
     (dict(cu_seqlens_kv_padded=None), "padded"),
-    (dict(cu_seqlens_q=torch.tensor([0, 3, 5])), "cu_seqlens_q"),
-    (dict(cu_seqlens_kv=torch.tensor([0, 3], dtype=torch.int32)), "cu_seqlens_kv"),
-    (dict(cu_seqlens_kv_padded=torch.tensor([0, 3, 7])), "cu_seqlens_kv_padded"),
     (dict(max_seqlen_q=None), "max_seqlen_q"),
     (dict(fake_dtype=torch.float16), "fake_dtype"),
     (dict(max_seqlen_q=True), "max_seqlen"),
@@ -599,14 +598,11 @@ DECLINED = [
     (lambda c: dict(k=c["k"].half()), "k differs from q"),
     (lambda c: {n: c[n][:2] for n in OFFSET_NAMES}, "not CUDA"),  # the first sequence
     (dict(window_size=None), "not CUDA"),
-    (lambda c: {n: c[n][:, :1].repeat(1, 3, 1) for n in ("k", "v")}, "heads"),
     (lambda c: {n: c[n][..., :4] for n in QKVO}, "head dim"),
-    (lambda c: dict(q=c["q"].unsqueeze(0)), "3-D"),
     (lambda c: dict(d_o=c["d_o"].half()), "d_o"),
     (dict(qkv_layout="t3hd", dqkv_layout="t3hd"), "t3hd"),
     (dict(qkv_layout="th3d", dqkv_layout="th3d"), "th3d"),
     (lambda c: dict(d_o=c["d_o"].to("meta")), "d_o differs from q in dtype or device"),
-    (lambda c: dict(v=c["v"][:-1]), "rows k"),
     (lambda c: {n: torch.cat((c[n],) * 2, -1) for n in ("v", "d_o")}, "v's <= q's"),
     (lambda c: {n: c[n][..., :6] for n in ("v", "d_o")}, "multiples of 8"),
 ]
@@ -623,6 +619,32 @@ def test_a_declined_call_names_its_reason(edit: Any, words: str) -> None:
     with pytest.raises(ValueError) as err:
         fallback.exact_backward(call)
     assert str(err.value) == f"exact_backward cannot reproduce this call: {reason}"
+
+
+#: Edits the input gate refuses before the fallback is asked (the wrapper checks q, k, v
+#: and the offsets first; exact_backward does the same), then the argument it names.
+GATED = [
+    (dict(cu_seqlens_q=torch.tensor([0, 3, 5])), "cu_seqlens_q: expected dtype torch.int32"),
+    (
+        dict(cu_seqlens_kv=torch.tensor([0, 3], dtype=torch.int32)),
+        "cu_seqlens_kv: expected 3 offsets",
+    ),
+    (dict(cu_seqlens_kv_padded=torch.tensor([0, 3, 7])), "cu_seqlens_kv_padded: expected dtype"),
+    (
+        lambda c: {n: c[n][:, :1].repeat(1, 3, 1) for n in ("k", "v")},
+        "k: expected a number of KV heads",
+    ),
+    (lambda c: dict(v=c["v"][:-1]), "v: expected the same number of token rows as k"),
+    (lambda c: dict(q=c["q"].unsqueeze(0)), "q: expected a THD tensor"),
+]
+
+
+@pytest.mark.parametrize("edit, words", GATED)
+def test_exact_backward_checks_its_inputs_as_the_wrapper_does(edit: Any, words: str) -> None:
+    call = _half_call()
+    call.update(edit(call) if callable(edit) else edit)
+    with pytest.raises(InputError, match=re.escape(words)):
+        fallback.exact_backward(call)
 
 
 def test_head_dim_reason() -> None:

@@ -20,8 +20,9 @@ from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Tup
 import torch
 import torch.nn.functional as F
 
+from .. import checks
 from .._logging import log_once
-from .._te import MASKS, OFFSET_NAMES, PACKED, THD_LAYOUTS, THD_MASKS, Args, release
+from .._te import MASKS, PACKED, THD_LAYOUTS, THD_MASKS, Args, release
 from ..masks import window_pair
 from ._row_moves import move_rows
 
@@ -124,7 +125,8 @@ def _mask_reason(a: Args, has_right_bound: bool) -> Union[str, Tuple[Tuple[int, 
 
 
 def _tensor_reason(a: Args) -> Optional[str]:
-    """Why the tensors are not ones FlashAttention-2 takes (shapes, dtypes, devices)."""
+    """Why the tensors are not ones FlashAttention-2 takes, beyond what the input gate
+    (:func:`te_gqa_fix.checks.gradients`) checked of q, k, v and the offsets already."""
     named = (("q", a.q), ("k", a.k), ("v", a.v), ("d_o", a.d_o))
     for name, t in named:
         if not _plain(t) or t.dim() != 3:
@@ -138,9 +140,7 @@ def _tensor_reason(a: Args) -> Optional[str]:
         dqkv is not None and dqkv != q.dtype and str(dqkv).split(".")[-1] != _TE_DTYPES.get(q.dtype)
     ):
         return f"fake_dtype/dqkv_dtype differ from q's {q.dtype}"
-    (rows_q, h_q, d), (rows_k, h_k, d_k), (rows_v, h_v, d_v) = q.shape, k.shape, v.shape
-    if h_k != h_v or h_q % h_k or rows_k != rows_v:
-        return f"heads q {h_q}, k {h_k}, v {h_v}, rows k {rows_k}, v {rows_v}: KV heads must divide q heads, k and v share rows"
+    (rows_q, h_q, d), d_k, d_v = q.shape, k.shape[2], v.shape[2]
     if d_k != d or tuple(d_o.shape) != (rows_q, h_q, d_v):
         return f"head dims q {d}, k {d_k}, v {d_v}, d_o {tuple(d_o.shape)}: k's must be q's, d_o [t, h_q, d_v]"
     reason = head_dim_reason(d, d_v)
@@ -149,18 +149,10 @@ def _tensor_reason(a: Args) -> Optional[str]:
     layout = a.dqkv_layout or a.qkv_layout
     if layout in ("t3hd", "th3d") and not q.shape == k.shape == v.shape:
         return f"dqkv_layout={layout!r} with q {tuple(q.shape)} and k {tuple(k.shape)}"
-    offsets = (a.cu_seqlens_q, a.cu_seqlens_kv, a.cu_seqlens_q_padded, a.cu_seqlens_kv_padded)
-    if (offsets[2] is None) != (offsets[3] is None):
+    if (a.cu_seqlens_q_padded is None) != (a.cu_seqlens_kv_padded is None):
         return "only one of cu_seqlens_q_padded and cu_seqlens_kv_padded is given"
-    first = offsets[0]
-    for name, t in zip(OFFSET_NAMES, offsets):
-        if t is None and "padded" in name:
-            continue
-        if (
-            not _plain(t) or t.dtype != torch.int32 or t.dim() != 1 or not _plain(first)
-            or not 2 <= t.shape[0] == first.shape[0] or t.device != q.device
-        ):  # fmt: skip
-            return f"{name}: expected 1-D int32 offsets on {q.device}, all of one length"
+    if a.cu_seqlens_q.shape[0] < 2:
+        return "no sequence (cu_seqlens_q holds one offset)"
     if type(a.max_seqlen_q) is not int or type(a.max_seqlen_kv) is not int:
         return "max_seqlen_q/max_seqlen_kv are not ints"
     return None
@@ -516,9 +508,12 @@ def exact_backward(call: Mapping[str, Any]) -> List[Optional[torch.Tensor]]:
         anything until the post-pass runs.
 
     Raises:
+        InputError: malformed q, k, v or offsets (the input gate, as the wrapper checks them).
         ValueError: when :func:`decide` declines the call, with its reason.
     """
     a = Args(**{name: call.get(name) for name in Args._fields})
+    offsets = (a.cu_seqlens_q, a.cu_seqlens_kv, a.cu_seqlens_q_padded, a.cu_seqlens_kv_padded)
+    checks.gradients(a.q, a.k, a.v, *offsets, names=("q", "k", "v"))
     recipe = decide(a, "bottom_right_diagonal" in call)
     if isinstance(recipe, str):
         raise ValueError(f"exact_backward cannot reproduce this call: {recipe}")
