@@ -3,8 +3,10 @@
 #   pip     TE loads torch's cuDNN 9.19 via CUDNN_HOME/LD path GPU_KIT_CUDNN=pip
 #   route   the system machine with TE_GQA_FIX_CUDNN=auto through te-gqa-fix's installed
 #           start-up file (the wheel carried in .whl-mcore/ is installed once)
-#   cudnn927  the system machine with TE_GQA_FIX_CUDNN=strict:/tmp/cudnn-9.27/nvidia/cudnn,
-#           the cuDNN 9.27 folder .gpu-kit-cudnn/stage.sh unpacks (the route to a folder)
+#   cudnnNNN  the system machine with TE_GQA_FIX_CUDNN=strict:/tmp/cudnn-SHORT/nvidia/cudnn,
+#           the folder `evidence/cudnn_kit.sh stage` unpacks (the route to a folder); NNN is
+#           SHORT without dots, major 9 and a two-digit minor: cudnn927 -> 9.27, cudnn9281 -> 9.28.1
+#           (the route loads 9.18 or newer only: it refuses cudnn916)
 use_build() {
   unset TE_GQA_FIX_CUDNN
   case "$1" in
@@ -12,9 +14,11 @@ use_build() {
       ensure_wheel
       export GPU_KIT_CUDNN=system TE_GQA_FIX_CUDNN=auto
       ;;
-    cudnn927)
+    cudnn9[0-9][0-9]*)
       ensure_wheel
-      export GPU_KIT_CUDNN=system TE_GQA_FIX_CUDNN=strict:/tmp/cudnn-9.27/nvidia/cudnn
+      local v=${1#cudnn9} && local patch=${v:2}
+      export GPU_KIT_CUDNN=system \
+        TE_GQA_FIX_CUDNN=strict:/tmp/cudnn-9.${v:0:2}${patch:+.$patch}/nvidia/cudnn
       ;;
     *) export GPU_KIT_CUDNN=$1 ;;
   esac
