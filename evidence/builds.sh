@@ -4,8 +4,10 @@
 #   pip     TE loads torch's cuDNN 9.19 via CUDNN_HOME/LD path GPU_KIT_CUDNN=pip
 #   route   the system machine with TE_GQA_FIX_CUDNN=auto through te-gqa-fix's installed
 #           start-up file (the wheel carried in .whl-mcore/ is installed once)
-#   cudnn927  the system machine with TE_GQA_FIX_CUDNN=strict:/tmp/cudnn-9.27/nvidia/cudnn,
-#           the cuDNN 9.27 folder tests/gpu/cudnn_kit.sh stages (the route to a folder)
+#   cudnnNNN  the system machine with TE_GQA_FIX_CUDNN=strict:/tmp/cudnn-SHORT/nvidia/cudnn,
+#           the folder `evidence/cudnn_kit.sh stage` unpacks (the route to a folder); NNN is
+#           SHORT without dots, major 9 and a two-digit minor: cudnn927 -> 9.27, cudnn9281 -> 9.28.1
+#           (the route loads 9.18 or newer only: it refuses cudnn916)
 # The GPU kit: TE installed from PyPI wheels on the GPU machine, which has no network
 # (.gpu-kit/env.sh, staged outside this repository, sets the loader path per GPU_KIT_CUDNN).
 use_build() {
@@ -15,9 +17,11 @@ use_build() {
       ensure_wheel
       export GPU_KIT_CUDNN=system TE_GQA_FIX_CUDNN=auto
       ;;
-    cudnn927)
+    cudnn9[0-9][0-9]*)
       ensure_wheel
-      export GPU_KIT_CUDNN=system TE_GQA_FIX_CUDNN=strict:/tmp/cudnn-9.27/nvidia/cudnn
+      local v=${1#cudnn9} && local patch=${v:2}
+      export GPU_KIT_CUDNN=system \
+        TE_GQA_FIX_CUDNN=strict:/tmp/cudnn-9.${v:0:2}${patch:+.$patch}/nvidia/cudnn
       ;;
     *) export GPU_KIT_CUDNN=$1 ;;
   esac
@@ -26,7 +30,7 @@ use_build() {
 }
 
 ensure_wheel() {
-  python3 -c 'import te_gqa_fix.autopatch as a, sys; sys.exit(a.find_pth() is None)' 2>/dev/null && return 0
+  python3 -c 'import _te_gqa_fix_autopatch as a, sys; sys.exit(a.find_pth() is None)' 2>/dev/null && return 0
   PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -q --no-index --no-deps \
     .whl-mcore/te_gqa_fix-*.whl || echo "te-gqa-fix wheel install failed: the route build cannot run"
 }

@@ -61,7 +61,7 @@ if [[ $parts == *" megatron "* ]]; then
   megatron=(--megatron "$mres")
 fi
 command="bash evidence/run_all.sh"  # with the knobs this run was given
-for knob in CP_ARGS PYTEST_ARGS PYTEST_TIMEOUT BUILDS PARTS; do
+for knob in CP_ARGS TESTS PYTEST_ARGS PYTEST_TIMEOUT BUILDS PARTS; do
   [ -n "${!knob:-}" ] && command="$knob=${!knob@Q} $command"
 done
 python3 evidence/validation_report.py collect --tests "$res" --builds "$(echo $builds | tr ' ' ',')" \

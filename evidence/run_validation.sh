@@ -4,7 +4,8 @@
 # GPU cases of the CPU files) with per-case records (GPU_TESTS_RECORD) and junit
 # outcomes. Raw outputs only, in ${RES:-/tmp/te-gqa-fix-validation}; evidence/run_all.sh
 # turns them into a file of blocks to merge into docs/data/validation.jsonl.
-# Knobs: BUILDS, PYTEST_TIMEOUT, PYTEST_ARGS.
+# Knobs: BUILDS, TESTS (default tests: the files or folders pytest collects), PYTEST_TIMEOUT,
+# PYTEST_ARGS.
 # The builds run side by side on the one GPU (each about 6 minutes on a cold Triton cache).
 set -uo pipefail
 # shellcheck source=evidence/builds.sh
@@ -13,7 +14,7 @@ res=${RES:-/tmp/te-gqa-fix-validation}
 mkdir -p "$res"
 builds=${BUILDS:-system pip route}
 # The wheel goes into site-packages once, before any build's processes start.
-[[ " $builds " == *" route "* || " $builds " == *" cudnn927 "* ]] && ensure_wheel
+[[ " $builds " == *" route "* || " $builds " == *" cudnn9"* ]] && ensure_wheel
 for build in $builds; do
   (
     use_build "$build"
@@ -21,7 +22,7 @@ for build in $builds; do
     echo "doctor ($build): exit $?"
     rm -f "$res/records-$build.jsonl"
     GPU_TESTS_RECORD="$res/records-$build.jsonl" timeout "${PYTEST_TIMEOUT:-420}" \
-      python3 -m pytest tests -m gpu -q -p no:cacheprovider --junitxml="$res/junit-$build.xml" \
+      python3 -m pytest ${TESTS:-tests} -m gpu -q -p no:cacheprovider --junitxml="$res/junit-$build.xml" \
       ${PYTEST_ARGS:-} >"$res/pytest-$build.log" 2>&1
     echo "pytest ($build): exit $?"
     tail -3 "$res/pytest-$build.log"
