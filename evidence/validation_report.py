@@ -585,6 +585,23 @@ def render(recs: List[Rec], fakes: Sequence[str] = ()) -> str:
               ", ".join(map(str, r.get("sequences") or [])) or "-",
               cell(r.get("exact")), _dead(r), _ratio(r)] for r in counts],
         )  # fmt: skip
+    statuses = by["status"]
+    if statuses:
+        L += _section(
+            "In-process status",
+            "`tests/gpu/test_status.py`: `te_gqa_fix.status()` inside the test process after "
+            "`install()` and one backward of the seed case through TE's own module: what a "
+            "training script that calls `install()` sees (`te-gqa-fix doctor` runs in a process "
+            "of its own).",
+            "build|fix|call sites|cuDNN TE runs|GPU|verdict|post-pass on CUDA|calls",
+            [[r["build"], "active" if r.get("installed") else "NOT active", len(r.get("sites") or []),
+              r.get("cudnn"), r.get("gpu"), r.get("verdict"), r.get("postpass"),
+              ", ".join(f"{k} {v}" for k, v in (r.get("calls") or {}).items() if v)]
+             for r in statuses],
+        )  # fmt: skip
+        first = statuses[0]
+        L += [f"What `print(te_gqa_fix.status())` shows on `{first['build']}`:", "", "```",
+              *str(first.get("text", "")).splitlines(), "```", ""]  # fmt: skip
     L += _section(
         "Seed reproduction (TE #2448)",
         "2 query heads, 1 KV head, d 8, fp16, `cu_seqlens_q` [0, 0, 3], a freed block before "

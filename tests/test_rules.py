@@ -105,7 +105,11 @@ def test_measurement_for(cudnn: Optional[Tuple[int, int, int]]) -> None:
 
 def test_measured_builds_right_everywhere_and_the_remedy() -> None:
     """Only 9.27 is right everywhere measured; a remedy names it, at any head dims."""
-    assert [measurement_for(v)[0].right_at_every_shape for v in (V914, V919, V927)] == [False, False, True]
+    assert [measurement_for(v)[0].right_at_every_shape for v in (V914, V919, V927)] == [
+        False,
+        False,
+        True,
+    ]
     for dims in ((128, None), (256, 128), (192, 128), (256, 256)):
         assert newest_right(*dims).cudnn == V927
     assert version_text((9, 14, 0)) == "9.14.0"

@@ -223,6 +223,20 @@ def test_sequence_counts_section_only_with_its_records() -> None:
     assert "| system | 256 |" not in text.split("## Exactness sweep")[1].split("## Sequence")[0]
 
 
+def test_the_status_of_each_build_shows_with_its_printed_form() -> None:
+    status = {"kind": "status", "installed": True, "sites": ["a.f", "b.f"], "cudnn": "9.14.0",
+              "gpu": "sm90", "verdict": "stale_rows", "postpass": "triton",
+              "calls": {"calls": 1, "fixed": 1, "skipped": 0},
+              "text": "te-gqa-fix  0.2.0\nfix         ACTIVE"}  # fmt: skip
+    blocks = _block("system", "tests", "2026-12-01T00:00:00", "a", "G", [status])
+    assert "## In-process status" not in vr.render(blocks[:1])
+    text = vr.render(blocks)
+    assert (
+        "| system | active | 2 | 9.14.0 | sm90 | stale_rows | triton | calls 1, fixed 1 |" in text
+    )
+    assert "```\nte-gqa-fix  0.2.0\nfix         ACTIVE\n```" in text
+
+
 def test_a_printed_result_reads_as_words() -> None:
     res = ("RESULT True 2 True {'dq_err': 0.1, 'dq_bound': 1.0, 'dq_dead_max': 0.0, "
            "'dk_err': 0.3, 'dk_bound': 1.0, 'dk_dead_max': 0.0}")  # fmt: skip
