@@ -177,7 +177,7 @@ def test_zero_dead_rows_and_dead_row_masks_match_the_oracle(
             assert_rows(t, before[name], keep_q if name == "dq" else keep_kv, name)
 
 
-@SETTINGS
+@settings(SETTINGS, max_examples=60)  # each example: all 81 (lq, lk) pairs
 @given(masks=mask_args((*ACCEPTED_MASKS, "padding_bottom_right_typo", None)))
 def test_key_bounds_are_the_attended_keys(masks) -> None:
     """``masks.key_bounds`` (the one Python statement of the rule) for every (lq, lk) up to
