@@ -490,7 +490,9 @@ def _launch_for(
     q_t = dk if dq is None else dq
     nseq = offsets[0].numel() - 1
     rows_kv, rows_q = int(dk.shape[0]), (0 if dq is None else int(dq.shape[0]))
-    nblk_kv, nblk_q = -(-rows_kv // BLOCK_T), -(-rows_q // BLOCK_T)
+    # At least one dK/dV unit: unit 0 judges the offsets and records their errors, also
+    # when no buffer has a row to zero (its rows are then all past the buffer).
+    nblk_kv, nblk_q = max(1, -(-rows_kv // BLOCK_T)), -(-rows_q // BLOCK_T)
     widths = [int(t.shape[1]) * _pow2(int(t.shape[2])) for t in (q_t, dk, dv)]
     block_c = max(1, min(BLOCK_C, _pow2(max(widths))))
     tiles = [-(-w // block_c) for w in widths]

@@ -1,35 +1,38 @@
-"""The Triton kernel against the PyTorch post-pass and the brute-force oracle.
+"""The Triton post-pass kernel against the PyTorch post-pass and the brute-force oracle.
 
 On CPU the kernel runs under Triton's interpreter, in one child process (this file run as a
-script; see ``fakes/interpreter.py``). The interpreter's cost grows with rows x columns x
-programs, so the checks use small batches and shrink the launch constants (:data:`PATHS`) to
-reach every kernel path with them: offsets read once per program (``ONCE``) or in several
-chunks, kept rows by interval compare or by a binary search per row (``SEARCH``), several row
-blocks per sequence, column tiles split into shares and looped over.
+script; see ``fakes/interpreter.py``), while the rest of the suite runs. The interpreter's
+cost grows with rows x columns x programs, so the checks use small batches and shrink the
+launch constants (:data:`PATHS`) to reach every kernel path with them: offsets read once per
+program (``ONCE``) or in several chunks, kept rows by interval compare or by a binary search
+per row (``SEARCH``), several row blocks per sequence, column tiles split into shares and
+looped over.
 
 Each check compares, byte for byte, the whole storage behind dQ/dK/dV (guard rows past the
 end included) after the kernel with the storage after ``zero_dead_rows(impl="torch")``, and
 the rows with the oracle (``fakes/oracle.py``). Every row starts with a NaN in it, so a dead
-row left alone or a live row written cannot pass. Impossible offsets, in any chunk, must give
-the PyTorch path's error bits and store nothing.
+row left alone or a live row written cannot pass. Impossible offsets, in any chunk, must
+store nothing and raise what the PyTorch path raises.
+
+Where the kernel restates a rule of the Python code (``_key_bounds``: ``masks.key_bounds``;
+``_read_offsets``' error bits: ``checks.offset_faults`` / ``offset_error_bits``), ONE
+property test holds the restatement to the statement: ``restated_rules``.
 
 The ``gpu`` tests run the compiled kernel (same checks with the shipped constants and larger
-batches, plus no host sync and CUDA-graph capture); they skip cleanly without CUDA or Triton.
+batches, plus no host sync and CUDA-graph capture); they skip cleanly without CUDA.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import logging
 import random
 import sys
 from contextlib import contextmanager
-from types import SimpleNamespace
-from typing import Any, Callable, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from fakes import background
@@ -45,11 +48,9 @@ from fakes.oracle import (
     make_ragged,
 )
 from fakes.te_outputs import FakeTE, assert_post_pass, call_arguments
-from te_gqa_fix import postpass
-from te_gqa_fix.masks import KNOWN_MASK_TYPES, KeySpan, key_span
-from te_gqa_fix.postpass import launch, offset_errors, zero_dead_rows
-from te_gqa_fix.postpass.offset_errors import OffsetsError
-from te_gqa_fix.validation import offset_error_bits, offset_faults
+from te_gqa_fix import OffsetsError, _kernel, check_offset_errors, checks, postpass, zero_dead_rows
+from te_gqa_fix._te import MASKS as KNOWN_MASK_TYPES
+from te_gqa_fix.masks import KeySpan, key_bounds, key_span
 
 LAYOUTS = ("separate", "t2hd", "th2d", "t3hd", "th3d", "transposed")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -67,53 +68,53 @@ PATHS: Dict[str, Dict[str, int]] = {
 }
 
 
-def _path_of(plan: launch.KernelLaunch) -> str:
-    return "search" if plan.meta["SEARCH"] else "once" if plan.meta["ONCE"] else "chunks"
+def _path_of(launch: postpass.KernelLaunch) -> str:
+    return "search" if launch.meta["SEARCH"] else "once" if launch.meta["ONCE"] else "chunks"
 
 
 @contextmanager
-def kernel_path(name: str, **extra: int) -> Iterator[List[launch.KernelLaunch]]:
-    """Inside, the launch constants of ``PATHS[name]`` (and ``extra``); yields the plans made
-    inside, and checks on the way out that there were some and they took that path."""
+def kernel_path(name: str, **extra: int) -> Iterator[List[postpass.KernelLaunch]]:
+    """Inside, the launch constants of ``PATHS[name]`` (and ``extra``); yields the launches
+    prepared inside, and checks on the way out that there were some and they took that path."""
     constants = {**PATHS[name], **extra}
-    saved = {k: getattr(launch, k) for k in constants}
-    plans: List[launch.KernelLaunch] = []
-    make_plan = launch.prepare
+    saved = {k: getattr(postpass, k) for k in constants}
+    launches: List[postpass.KernelLaunch] = []
+    launch_for = postpass._launch_for
 
-    def recording(*args: Any) -> launch.KernelLaunch:
-        plans.append(make_plan(*args))
-        return plans[-1]
+    def recording(*args: Any) -> postpass.KernelLaunch:
+        launches.append(launch_for(*args))
+        return launches[-1]
 
     for k, v in constants.items():
-        setattr(launch, k, v)
-    launch.prepare = recording  # type: ignore[assignment]
+        setattr(postpass, k, v)
+    postpass._launch_for = recording  # type: ignore[assignment]
     try:
-        yield plans
+        yield launches
     finally:
-        launch.prepare = make_plan  # type: ignore[assignment]
+        postpass._launch_for = launch_for  # type: ignore[assignment]
         for k, v in saved.items():
-            setattr(launch, k, v)
-    assert plans, "the kernel never ran"
+            setattr(postpass, k, v)
+    assert launches, "the kernel never ran"
     if name == "chunks":  # one or two offsets fit one chunk
-        plans = [p for p in plans if p.scalars[0] >= 2]
-    assert {_path_of(p) for p in plans} <= {"once" if name == "default" else name}
+        launches = [p for p in launches if p.scalars[0] >= 2]
+    assert {_path_of(p) for p in launches} <= {"once" if name == "default" else name}
 
 
 def kernel_zero(dq, dk, dv, offsets: tuple, span: KeySpan) -> None:
     """The kernel alone (any offset dtype it takes), through the one launch route. On CUDA
     the prepared launch first runs on same-layout copies (the launch that compiles), so the
-    gradients themselves get a later launch, through the prepared launcher (asserted)."""
-    kernel_launch = launch.prepare(dq, dk, dv, offsets, span)
+    gradients themselves get a later launch, through the bound launcher (asserted)."""
+    launch = postpass._launch_for(dq, dk, dv, offsets, span)
     if dk.device.type != "cuda":
-        launch.run_kernel(kernel_launch, dq, dk, dv, offsets)
+        launch.run(dq, dk, dv, offsets)
         return
-    assert launch.unsupported(dq, dk, dv, offsets) is None
+    assert postpass._unfit(dq, dk, dv, offsets) is None
     copies = [None if t is None else _same_layout(t) for t in (dq, dk, dv)]
-    launch.run_kernel(kernel_launch, *copies, offsets)  # type: ignore[arg-type]
-    launch.run_kernel(kernel_launch, dq, dk, dv, offsets)
+    launch.run(*copies, offsets)  # type: ignore[arg-type]
+    launch.run(dq, dk, dv, offsets)
     # One pointer alignment (the copies' is the gradients'), so the second launch used the
     # launcher the first one stored.
-    launchers = [f.__name__ for f in kernel_launch.launchers.values()]
+    launchers = [f.__name__ for f in launch.launchers.values()]
     assert launchers == ["launch_on_current_stream"], launchers
 
 
@@ -124,9 +125,25 @@ def _same_layout(t: torch.Tensor) -> torch.Tensor:
     return storage.as_strided(t.size(), t.stride(), t.storage_offset())
 
 
+def _reset_records() -> None:
+    for rec in postpass._records.values():
+        rec.clear()
+
+
+def _names(exc: BaseException) -> str:
+    return str(exc).split(":")[0]
+
+
+def _raised(device: torch.device) -> Optional[str]:
+    """The arguments a recorded error names (then cleared), or None."""
+    try:
+        check_offset_errors(device, synchronize=True)
+    except OffsetsError as exc:
+        return _names(exc)
+    return None
+
+
 # --------------------------------------------------------------------------- cases
-
-
 @st.composite
 def batches(draw: Any, max_seqs: int = 5, max_len: int = 6) -> Dict[str, Any]:
     """A random THD batch: q-empty and kv-empty sequences, gaps, tail rows, all masks."""
@@ -222,8 +239,39 @@ def _bytes(bases: List[torch.Tensor]) -> List[torch.Tensor]:
     return [b.detach().cpu().reshape(-1).view(torch.uint8).clone() for b in bases]
 
 
+def same_as_torch(case: Dict[str, Any], offs: List[Optional[torch.Tensor]], rows_q: int,
+                  rows_kv: int, device: str) -> Tuple[list, Optional[str]]:  # fmt: skip
+    """The kernel on one set of buffers, ``zero_dead_rows(impl="torch")`` on a twin set:
+    the same bytes in the whole storage, and the same error (the arguments it names; the
+    kernel's is recorded, raised by the next check). Returns the kernel's gradients (as
+    they were before it ran) and the error."""
+    _reset_records()
+    mask = dict(attn_mask_type=case["mask"], window_size=case["window"],
+                bottom_right_diagonal=case["bottom_right"])  # fmt: skip
+    bases_k, dq_k, dk_k, dv_k = _buffers(case, rows_q, rows_kv, device)
+    bases_t, dq_t, dk_t, dv_t = _buffers(case, rows_q, rows_kv, device)
+    before = [None if t is None else t.detach().cpu().clone() for t in (dq_k, dk_k, dv_k)]
+    stored = _bytes(bases_k)
+    kernel_zero(dq_k, dk_k, dv_k, tuple(offs), key_span(**mask))
+    kernel_error = _raised(dk_k.device)
+    # The public post-pass takes int32 offsets only (TE's dtype); the kernel takes int64 too.
+    offs32 = [None if o is None else o.to(torch.int32) for o in offs]
+    try:
+        zero_dead_rows(dq_t, dk_t, dv_t, *offs32, impl="torch", **mask)  # type: ignore[arg-type]
+        torch_error = _raised(dk_t.device)  # on CUDA: recorded, not raised
+    except OffsetsError as exc:
+        torch_error = _names(exc)
+    assert kernel_error == torch_error, (kernel_error, torch_error, case)
+    for i, (a, b) in enumerate(zip(_bytes(bases_k), _bytes(bases_t))):
+        assert torch.equal(a, b), f"buffer {i} differs from the PyTorch post-pass; case={case}"
+    if kernel_error is not None:  # the PyTorch path stores nothing then: asserted, as bytes
+        assert all(torch.equal(a, b) for a, b in zip(_bytes(bases_k), stored)), "a store"
+    return [None if t is None else (t, b) for t, b in zip((dq_k, dk_k, dv_k), before)], kernel_error
+
+
 def run_case(case: Dict[str, Any], device: str) -> None:
-    """Kernel vs ``zero_dead_rows(impl="torch")`` (whole storage) vs the oracle (rows)."""
+    """A well-formed batch: the kernel as the PyTorch post-pass (whole storage), and as the
+    oracle (rows)."""
     cu_q, pad_q = _offsets(case["lq"], case["gaps_q"], case["lead"])
     cu_kv, pad_kv = _offsets(case["lk"], case["gaps_kv"], case["lead"])
     rows_q = pad_q[-1] + case["tail_q"]
@@ -231,34 +279,24 @@ def run_case(case: Dict[str, Any], device: str) -> None:
     if case["layout"] in ("t3hd", "th3d"):
         rows_q = rows_kv = max(rows_q, rows_kv)
     ints = dict(dtype=case.get("offset_dtype", torch.int32), device=device)
-    offs = [torch.tensor(x, **ints) for x in (cu_q, cu_kv, pad_q, pad_kv)]
+    offs: List[Optional[torch.Tensor]] = [
+        torch.tensor(x, **ints) for x in (cu_q, cu_kv, pad_q, pad_kv)
+    ]
     if not case["padded"]:
-        offs[2] = offs[3] = None  # type: ignore[call-overload]
+        offs[2] = offs[3] = None
+    grads, error = same_as_torch(case, offs, rows_q, rows_kv, device)
+    assert error is None, error
     mask, window, brd = case["mask"], case["window"], case["bottom_right"]
-    mask_args = dict(attn_mask_type=mask, window_size=window, bottom_right_diagonal=brd)
-
-    bases_k, dq_k, dk_k, dv_k = _buffers(case, rows_q, rows_kv, device)
-    bases_t, dq_t, dk_t, dv_t = _buffers(case, rows_q, rows_kv, device)
-    before = [None if t is None else t.detach().cpu().clone() for t in (dq_k, dk_k, dv_k)]
-
-    kernel_zero(dq_k, dk_k, dv_k, tuple(offs), key_span(**mask_args))  # type: ignore[arg-type]
-    # The public post-pass takes int32 offsets only (TE's dtype); the kernel takes int64 too.
-    offs32 = [None if o is None else o.to(torch.int32) for o in offs]
-    zero_dead_rows(dq_t, dk_t, dv_t, *offs32, impl="torch", **mask_args)  # type: ignore[arg-type]
-    for i, (a, b) in enumerate(zip(_bytes(bases_k), _bytes(bases_t))):
-        assert torch.equal(a, b), f"buffer {i} differs from the PyTorch post-pass; case={case}"
-
     # A causal mask with a right window > 0 keeps the declared window: a documented superset
-    # the oracle does not model (tests/test_oracle.py); the byte check above still holds.
+    # the oracle does not model (tests/test_postpass.py); the byte check above still holds.
     if mask in KNOWN and KNOWN[mask][0] and (window or (0, 0))[1] > 0:
         return
     pads = (pad_q, pad_kv) if case["padded"] else (cu_q, cu_kv)
     lengths = (tuple(case["lq"]), tuple(case["lk"]))
     keep_q, keep_kv = expected_keep(Ragged(*lengths, *pads, rows_q, rows_kv), mask, window, brd)
-    for name, t, b, keep in (("dk", dk_k, before[1], keep_kv), ("dv", dv_k, before[2], keep_kv),
-                             ("dq", dq_k, before[0], keep_q)):  # fmt: skip
-        if t is not None:
-            assert_rows(t.cpu(), b, keep, f"{name} case={case}")
+    for name, got, keep in zip(("dq", "dk", "dv"), grads, (keep_q, keep_kv, keep_kv)):
+        if got is not None:
+            assert_rows(got[0].cpu(), got[1], keep, f"{name} case={case}")
 
 
 # Fixed cases: the seed script's shape, rows wider than one shipped column tile (dK wider
@@ -344,7 +382,8 @@ def bad_offset_cases(nseq: int, first_bad: int):
     """Impossible offsets at or after index ``first_bad`` (a later chunk when the offsets
     come in chunks), the last case negative up to there without a decrease: ``(cu_q, cu_kv,
     pad_q, pad_kv, rows_q, rows_kv, with_q)``. The fifth (a dQ buffer too short, but no dQ)
-    is no error."""
+    is no error. Then buffers without a row (an empty micro-batch, a context-parallel rank
+    without tokens): their offsets are judged too, the last one is no error."""
     case = many_case(nseq, 7)
     cu_q, pad_q = _offsets(case["lq"], case["gaps_q"], case["lead"])
     cu_kv, pad_kv = _offsets(case["lk"], case["gaps_kv"], case["lead"])
@@ -372,36 +411,26 @@ def bad_offset_cases(nseq: int, first_bad: int):
         (cu_q, set_at(cu_kv, first_bad, cu_kv[first_bad - 1] - 1), None, None, rows_q, rows_kv,
          False),
         (cu_q, below, pad_q, pad_kv, rows_q, rows_kv, True),
+        ([-1], [0], None, None, 0, 0, False),
+        ([0, 2], [0, -1], None, None, 2, 0, True),
+        ([0, 0], [0, 3], None, None, 0, 0, True),  # kv tokens, but an empty kv buffer
+        ([0, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0], 0, 0, True),
     ]  # fmt: skip
 
 
 def check_bad_offsets(nseq: int, first_bad: int, device: str = "cpu") -> None:
-    """Each bad case (int32 and int64 offsets in turn): the kernel's bits are the PyTorch
-    path's, nothing is stored, and the next :func:`offset_errors.raise_pending` raises."""
-    span = key_span("padding_causal_bottom_right", (4, 0))
-    for i, (cq, ck, pq, pk, rq, rk, with_q) in enumerate(bad_offset_cases(nseq, first_bad)):
-        offset_errors._reset()
+    """Each case (int32 and int64 offsets in turn): the kernel stores nothing and the next
+    check raises naming what the PyTorch path names."""
+    cases = bad_offset_cases(nseq, first_bad)
+    for i, (cq, ck, pq, pk, rq, rk, with_q) in enumerate(cases):
         dtype = (torch.int32, torch.int64)[i % 2]
-        offs = [None if x is None else torch.tensor(x, dtype=dtype) for x in (cq, ck, pq, pk)]
-        case = dict(seed=i, dtype=torch.float32, layout="t2hd", h_q=2, h_kv=1, d=3, with_q=True)
-        bases, dq, dk, dv = _buffers(case, rq, rk, device)  # a dQ buffer, used or not
-        before = _bytes(bases)
-        dq = dq if with_q else None
-        kernel_zero(dq, dk, dv, tuple(None if o is None else o.to(device) for o in offs), span)
-        if device != "cpu":
-            torch.cuda.synchronize()
-        i64 = [None if x is None else x.to(torch.int64) for x in offs]
-        faults = offset_faults(*i64, rq if with_q else None, rk)
-        want = int(offset_error_bits(faults))
-        assert int(offset_errors.kernel_flag(dk.device)[0]) == want, (i, dtype, want)
-        if i == 4:
-            assert want == 0, "a short dQ buffer is no error when there is no dQ"
-            continue
-        assert want != 0, i
-        assert all(torch.equal(a, b) for a, b in zip(_bytes(bases), before)), (i, "a store")
-        with pytest.raises(OffsetsError):
-            offset_errors.raise_pending(dk.device)
-    offset_errors._reset()
+        offs = [None if x is None else torch.tensor(x, dtype=dtype, device=device)
+                for x in (cq, ck, pq, pk)]  # fmt: skip
+        case = dict(seed=i, dtype=torch.float32, layout="t2hd", h_q=2, h_kv=1, d=3,
+                    with_q=with_q, mask="padding_causal_bottom_right", window=(4, 0),
+                    bottom_right=None)  # fmt: skip
+        _, error = same_as_torch(case, offs, rq, rk, device)
+        assert (error is None) is (i in (4, len(cases) - 1)), (i, error)
 
 
 # --------------------------------------------------------------------------- worker
@@ -414,24 +443,26 @@ WORKER = settings(
 )
 
 
+def _examples(n: int, test: Callable[..., None], shrink: bool = True, **strategies: Any) -> None:
+    """``test`` on ``n`` examples drawn from ``strategies`` (``shrink`` False: a failing
+    example is reported as drawn, where each shrinking step would be a slow launch)."""
+    phases = list(Phase) if shrink else [Phase.explicit, Phase.reuse, Phase.generate]
+    settings(WORKER, max_examples=n, phases=phases)(given(**strategies)(test))()
+
+
 def _check_fixed(path: str) -> None:
     """The fixed cases. Every layout and mask with the shipped constants (the fewest units:
     the cheapest under the interpreter) and on the binary search (its own key bounds)."""
     grid = fixed_grid(full=False) if path in ("default", "search") else iter(())
-    with kernel_path(path) as plans:
+    with kernel_path(path) as launches:
         check_fixed("cpu", grid)
     if path != "default":
-        assert any(p.scalars[9] > 1 for p in plans), "no program ran several units"
+        assert any(p.scalars[9] > 1 for p in launches), "no program ran several units"
     if path == "chunks":
-        assert any(p.meta["OFF_CHUNKS"] >= 3 for p in plans), "never 3 chunks or more"
+        assert any(p.meta["OFF_CHUNKS"] >= 3 for p in launches), "never 3 chunks or more"
     if path == "once":  # dK/dV and dQ column tiles in shares of several tiles each
-        assert any(p.scalars[7] > 1 and p.meta["NT_K"] > 1 for p in plans), "dK/dV"
-        assert any(p.scalars[8] > 1 and p.meta["NT_Q"] > 1 for p in plans), "dQ"
-
-
-def _examples(n: int, test: Callable[..., None], **strategies: Any) -> None:
-    """``test`` on ``n`` examples drawn from ``strategies``."""
-    settings(WORKER, max_examples=n)(given(**strategies)(test))()
+        assert any(p.scalars[7] > 1 and p.meta["NT_K"] > 1 for p in launches), "dK/dV"
+        assert any(p.scalars[8] > 1 and p.meta["NT_Q"] > 1 for p in launches), "dQ"
 
 
 def _check_random(path: str) -> None:
@@ -447,59 +478,192 @@ def _check_bad_offsets(path: str) -> None:
 
 @st.composite
 def malformed(draw: Any) -> Dict[str, Any]:
+    """Random offsets, often impossible: ``(offs, rows_q, rows_kv, case)``. Half of them
+    are well formed (padded offsets with gaps) but for at most one small defect: the first
+    offset -1, one offset one below the one before, or one padded segment one row short."""
     n = draw(st.integers(1, 6))
     offs = [draw(st.lists(st.integers(-3, 14), min_size=n, max_size=n)) for _ in range(4)]
-    if draw(st.booleans()):  # often well formed, so both verdicts are exercised
-        offs[0] = sorted(abs(x) for x in offs[0])
-        offs[1] = sorted(abs(x) for x in offs[1])
-        if draw(st.integers(0, 3)) == 0:  # impossible only by a negative first offset
-            offs[draw(st.integers(0, 3))][0] = -1
+    if draw(st.booleans()):
+        for side in (0, 1):
+            offs[side] = sorted(abs(x) for x in offs[side])
+            gaps = draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))
+            offs[side + 2] = [x + sum(gaps[: i + 1]) for i, x in enumerate(offs[side])]
+        which, i = draw(st.integers(0, 3)), draw(st.integers(0, n - 1))
+        defect = draw(st.sampled_from(["none", "negative", "decrease", "short"]))
+        x = offs[which]
+        if defect == "negative":
+            x[0] = -1
+        elif defect == "decrease" and i > 0:
+            x[i] = x[i - 1] - 1
+        elif defect == "short" and i > 0:  # segment i - 1 of a padded side one row short
+            pad, cu = offs[2 + which % 2], offs[which % 2]
+            cut = (pad[i] - pad[i - 1]) - (cu[i] - cu[i - 1]) + 1
+            offs[2 + which % 2] = [*pad[:i], *(v - cut for v in pad[i:])]
+    pad_q, pad_kv = draw(st.booleans()), draw(st.booleans())
+    # Buffer rows around the last buffer offset half of the time: one row short, exact, or
+    # one spare row (the end of the buffer is what the last offset is checked against).
+    ends = (offs[2 if pad_q else 0][-1], offs[3 if pad_kv else 1][-1])
+    rows_q, rows_kv = (max(0, end + draw(st.integers(-1, 1))) if draw(st.booleans())
+                       else draw(st.integers(1, 14)) for end in ends)  # fmt: skip
     return dict(
         offs=offs,
-        pad_q=draw(st.booleans()),
-        pad_kv=draw(st.booleans()),
-        rows_q=draw(st.integers(1, 14)),
-        rows_kv=draw(st.integers(1, 14)),
-        with_q=draw(st.booleans()),
-        mask=draw(st.sampled_from(["padding_causal", "padding", "padding_causal_bottom_right"])),
-    )
+        pad_q=pad_q,
+        pad_kv=pad_kv,
+        rows_q=rows_q,
+        rows_kv=rows_kv,
+        case=dict(seed=1, dtype=torch.float32, layout="separate", h_q=2, h_kv=1, d=3, d_v=3,
+                  with_q=draw(st.booleans()), bottom_right=None, window=(-1, -1),
+                  mask=draw(st.sampled_from(["padding_causal", "padding",
+                                             "padding_causal_bottom_right"]))),
+    )  # fmt: skip
 
 
-def _malformed_body(case: Dict[str, Any]) -> None:
-    """Random, often impossible offsets: the kernel's verdict is the PyTorch path's, bit
-    for bit, and a bad verdict stores nothing; a good one zeroes the PyTorch path's rows."""
-    offset_errors._reset()
-    cpu = torch.device("cpu")
-    cu_q, cu_kv, pq, pk = (torch.tensor(x, dtype=torch.int32) for x in case["offs"])
-    pad_q = pq if case["pad_q"] else None
-    pad_kv = pk if case["pad_kv"] else None
-    rows_q, rows_kv = case["rows_q"], case["rows_kv"]
-    gen = torch.Generator().manual_seed(1)
-    dq = torch.randn(rows_q, 2, 3, generator=gen) if case["with_q"] else None
-    dk, dv = torch.randn(rows_kv, 1, 3, generator=gen), torch.randn(rows_kv, 1, 3, generator=gen)
-    before = [None if t is None else t.clone() for t in (dq, dk, dv)]
-    kernel_zero(dq, dk, dv, (cu_q, cu_kv, pad_q, pad_kv), key_span(case["mask"]))
-    i64 = [None if t is None else t.to(torch.int64) for t in (cu_q, cu_kv, pad_q, pad_kv)]
-    faults = offset_faults(*i64, rows_q if case["with_q"] else None, rows_kv)
-    want = int(offset_error_bits(faults))
-    assert int(offset_errors.kernel_flag(cpu)[0]) == want, (want, case)
-    if want:
-        for t, b in zip((dq, dk, dv), before):
-            assert t is None or torch.equal(bits(t), bits(b)), "bad offsets: a store"
-        with pytest.raises(OffsetsError):
-            offset_errors.raise_pending(cpu)
-        return
-    twins = [None if b is None else b.clone() for b in before]
-    zero_dead_rows(*twins, cu_q, cu_kv, pad_q, pad_kv, attn_mask_type=case["mask"], impl="torch")
-    for t, twin in zip((dq, dk, dv), twins):
-        assert t is None or torch.equal(bits(t), bits(twin)), case
+def _malformed_body(draw: Dict[str, Any]) -> None:
+    """Random, often impossible offsets through the whole kernel: what the PyTorch path
+    does (bytes, and the error it raises)."""
+    offs = [torch.tensor(x, dtype=torch.int32) for x in draw["offs"]]
+    offs[2] = offs[2] if draw["pad_q"] else None
+    offs[3] = offs[3] if draw["pad_kv"] else None
+    same_as_torch(draw["case"], offs, draw["rows_q"], draw["rows_kv"], "cpu")
 
 
 def _check_malformed(path: str) -> None:
     with kernel_path(path, BLOCK_T=16):
-        _examples(10, _malformed_body, case=malformed())
+        _examples(6, _malformed_body, draw=malformed())
 
 
+# ---- the kernel's restatements of Python rules, held to them (one property test)
+tl: Any = None  # triton.language, set in the worker before the probe is decorated
+
+
+def _probe(cu_q_ptr, cu_kv_ptr, pad_q_ptr, pad_kv_ptr, rows_q_ptr, rows_kv_ptr, err_ptr, lq_ptr,
+           lk_ptr, lo_ptr, hi_ptr, nseq, window_left, window_right, EXACT: tl.constexpr,
+           TOP_LEFT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_WL: tl.constexpr,
+           HAS_WR: tl.constexpr, HAS_Q: tl.constexpr, CU_Q_BIT: tl.constexpr,
+           CU_KV_BIT: tl.constexpr, PAD_Q_BIT: tl.constexpr, PAD_KV_BIT: tl.constexpr,
+           OFF_BLOCK: tl.constexpr, OFF_CHUNKS: tl.constexpr, N: tl.constexpr):  # fmt: skip
+    """Program ``p``: the error bits ``_read_offsets`` gives over every chunk of offset set
+    ``p`` (row ``p`` of each ``[sets, nseq + 1]`` offset tensor), ORed as the post-pass
+    kernel ORs them. Program 0 also: ``_key_bounds`` of ``N`` (lq, lk) pairs."""
+    p = tl.program_id(0)
+    at = p * (nseq + 1)
+    rows_q = tl.load(rows_q_ptr + p)
+    rows_kv = tl.load(rows_kv_ptr + p)
+    err = tl.zeros([OFF_BLOCK], dtype=tl.int32)
+    for c in range(OFF_CHUNKS):
+        err_c, _f_kv, _e_kv, _f_q, _e_q = _kernel._read_offsets_jit(
+            cu_q_ptr + at, cu_kv_ptr + at, pad_q_ptr + at, pad_kv_ptr + at, c, nseq, rows_q,
+            rows_kv, window_left, window_right, EXACT, TOP_LEFT, BOTTOM_RIGHT, HAS_WL, HAS_WR,
+            True, HAS_Q, CU_Q_BIT, CU_KV_BIT, PAD_Q_BIT, PAD_KV_BIT, OFF_BLOCK,
+        )  # fmt: skip
+        err = err | err_c
+    tl.store(err_ptr + p, tl.reduce(err, 0, _kernel._or_jit))
+    if p == 0:
+        i = tl.arange(0, N)
+        lo, hi = _kernel._key_bounds_jit(
+            tl.load(lq_ptr + i), tl.load(lk_ptr + i), window_left, window_right, EXACT,
+            TOP_LEFT, BOTTOM_RIGHT, HAS_WL, HAS_WR,
+        )  # fmt: skip
+        tl.store(lo_ptr + i, lo)
+        tl.store(hi_ptr + i, hi)
+
+
+_PROBE: List[Any] = []
+_RULE_MASKS = (*KNOWN_MASK_TYPES, "arbitrary", "padding_casual")
+#: Every (lq, lk) up to 10 (padded to a power of two with (0, 0)).
+_LQ = torch.arange(11).repeat_interleave(11)
+_LK = torch.arange(11).repeat(11)
+_LQ, _LK = (torch.cat((x, x.new_zeros(128 - x.numel()))) for x in (_LQ, _LK))
+
+
+def _defects(offs: List[List[int]]) -> Iterator[List[List[int]]]:
+    """``offs`` with each single small defect in turn: an offset of any argument -1 below
+    the one before (the first: -1), or a padded segment one row shorter than its valid
+    length."""
+    for which, x in enumerate(offs):
+        for i in range(len(x)):
+            changed = [list(o) for o in offs]
+            changed[which][i] = -1 if i == 0 else x[i - 1] - 1
+            yield changed
+            if which >= 2 and i > 0:
+                pad, cu = x, offs[which - 2]
+                cut = (pad[i] - pad[i - 1]) - (cu[i] - cu[i - 1]) + 1
+                yield [*offs[:which], [*pad[:i], *(v - cut for v in pad[i:])], *offs[which + 1 :]]
+
+
+def _rules_body(draw: Dict[str, Any], lengths: List[Tuple[int, int]], gaps: List[int],
+                mask: str, window: Tuple[int, int], brd: Optional[bool], off_block: int) -> None:  # fmt: skip
+    """One launch of the probe: the drawn offsets (often impossible), a well-formed batch of
+    the same count with every single small defect and with buffers one row short, exact and
+    one row long; the constants are those ``postpass._launch_for`` prepares (the span, and
+    which argument each error bit names)."""
+    n, with_q = len(draw["offs"][0]), draw["case"]["with_q"]
+    cu = [[0], [0]]
+    for lq, lk in lengths[: n - 1]:
+        cu[0].append(cu[0][-1] + lq)
+        cu[1].append(cu[1][-1] + lk)
+    pads = [[x + sum(gaps[: i + 1]) for i, x in enumerate(c)] for c in cu]
+    base = [*cu, *pads]
+    ends = [(pads[0] if draw["pad_q"] else cu[0])[-1], (pads[1] if draw["pad_kv"] else cu[1])[-1]]
+    sets = [(draw["offs"], draw["rows_q"], draw["rows_kv"])]
+    sets += [(base, ends[0] + dq, ends[1] + dk) for dq in (-1, 0, 1) for dk in (-1, 0, 1)]
+    sets += [(offs, *ends) for offs in _defects(base)]
+    given = [True, True, draw["pad_q"], draw["pad_kv"]]
+    stacked = [torch.tensor([o[k] for o, _, _ in sets]) if given[k] else None for k in range(4)]
+    rows = [torch.tensor([r[k] for r in sets]).clamp(min=0) for k in (1, 2)]
+    span = key_span(mask, window, brd)  # malformed arguments: the conservative span
+    dk = torch.empty(1, 1, 1)
+    saved = postpass.OFF_BLOCK_MAX
+    postpass.OFF_BLOCK_MAX = off_block
+    try:
+        first = tuple(None if t is None else t[0] for t in stacked)
+        launch = postpass._launch_for(dk if with_q else None, dk, dk, first, span)
+    finally:
+        postpass.OFF_BLOCK_MAX = saved
+    meta = {k: launch.meta[k] for k in ("EXACT", "TOP_LEFT", "BOTTOM_RIGHT", "HAS_WL", "HAS_WR",
+                                        "HAS_Q", "CU_Q_BIT", "CU_KV_BIT", "PAD_Q_BIT",
+                                        "PAD_KV_BIT", "OFF_BLOCK", "OFF_CHUNKS")}  # fmt: skip
+    window_left, window_right = launch.scalars[-2:]
+    err = torch.zeros(len(sets), dtype=torch.int32)
+    lo, hi = torch.zeros_like(_LQ), torch.zeros_like(_LQ)
+    cu_q, cu_kv = stacked[0], stacked[1]
+    pad_q = cu_q if stacked[2] is None else stacked[2]
+    pad_kv = cu_kv if stacked[3] is None else stacked[3]
+    _PROBE[0][(len(sets),)](cu_q, cu_kv, pad_q, pad_kv, rows[0], rows[1], err, _LQ, _LK, lo, hi,
+                            n - 1, window_left, window_right, **meta, N=_LQ.numel())  # fmt: skip
+    for j, (offs, _, _) in enumerate(sets):
+        mine = [None if t is None else t[j] for t in stacked]
+        faults = checks.offset_faults(*mine, int(rows[0][j]) if with_q else None, int(rows[1][j]))
+        assert int(err[j]) == int(checks.offset_error_bits(faults)), (offs, sets[j], int(err[j]))
+    want_lo, want_hi = key_bounds(_LQ, _LK, span)
+    empty = (hi <= lo) & (want_hi <= want_lo)  # an empty interval: any bounds say it
+    assert torch.equal(lo.where(~empty, 0), want_lo.where(~empty, 0)), span
+    assert torch.equal(hi.where(~empty, 0), want_hi.where(~empty, 0)), span
+
+
+def _check_restated_rules() -> None:
+    global tl
+    import triton
+    import triton.language
+
+    _kernel.build()
+    tl = triton.language
+    _PROBE.append(triton.jit(_probe))
+    _examples(
+        6,
+        _rules_body,
+        shrink=False,
+        draw=malformed(),
+        lengths=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 4)), min_size=6, max_size=6),
+        gaps=st.lists(st.integers(0, 2), min_size=7, max_size=7),
+        mask=st.sampled_from(_RULE_MASKS),
+        window=st.tuples(st.integers(-1, 5), st.integers(-1, 5)) | st.just((-3, 0)),
+        brd=st.sampled_from([None, True, False]),
+        off_block=st.sampled_from([2, 256]),
+    )
+
+
+# ---- the public entry points reaching the interpreted kernel
 def _check_public_path() -> None:
     """``zero_dead_rows(impl="triton")`` reaching the interpreted kernel, against the
     oracle, with q and kv padded offsets that differ and an explicit bottom_right_diagonal:
@@ -507,11 +671,11 @@ def _check_public_path() -> None:
     impossible offsets through the kernel: nothing zeroed, raised at the next call."""
     reached: List[int] = []
 
-    def cpu_kernel_plan(dq, dk, dv, offsets, span):  # prepare_kernel minus its CUDA gate
+    def cpu_prepare(*args: Any) -> postpass.KernelLaunch:  # prepare minus its CUDA gate
         reached.append(1)
-        return launch.prepare(dq, dk, dv, offsets, span)
+        return postpass._launch_for(*args)
 
-    real, postpass.prepare_kernel = postpass.prepare_kernel, cpu_kernel_plan  # type: ignore[assignment]
+    real, postpass.prepare = postpass.prepare, cpu_prepare  # type: ignore[assignment]
     try:
         _examples(
             12,
@@ -523,28 +687,11 @@ def _check_public_path() -> None:
             brd=st.sampled_from([None, True, False]),
             with_q=st.booleans(),
         )
-        assert reached and not postpass._broken
+        assert reached and postpass._no_kernel is None
         _public_bad_offsets()
-        assert not postpass._broken
+        assert postpass._no_kernel is None
     finally:
-        postpass.prepare_kernel = real  # type: ignore[assignment]
-
-
-def _check_wrapper_sequence_counts() -> None:
-    """The wrapper's kernel launches on calls of one shape whose batches hold 3, then 5
-    sequences in the same rows, alternating: every call's rows match the oracle through the
-    interpreted kernel (a launch prepared for another count zeroes live rows)."""
-    real = postpass.prepare_kernel
-    postpass.prepare_kernel = launch.prepare  # type: ignore[assignment]  # minus its CUDA gate
-    try:
-        fake, wrapped = FakeTE.with_wrapper("2.20")
-        for ragged in (*SAME_ROWS_OTHER_COUNTS, *SAME_ROWS_OTHER_COUNTS):
-            fake.backend.reset()
-            wrapped(**call_arguments("2.20", ragged))
-            assert_post_pass(fake.backend.outputs, ragged, "padding_causal", (-1, -1), None)
-        assert not postpass._broken
-    finally:
-        postpass.prepare_kernel = real  # type: ignore[assignment]
+        postpass.prepare = real  # type: ignore[assignment]
 
 
 def _public_body(pairs, gaps, mask, window, brd, with_q) -> None:
@@ -569,7 +716,7 @@ def _public_body(pairs, gaps, mask, window, brd, with_q) -> None:
 
 
 def _public_bad_offsets() -> None:
-    offset_errors._reset()
+    _reset_records()
     i32 = dict(dtype=torch.int32)
     good = [torch.tensor(x, **i32) for x in ([0, 2, 2, 5], [0, 3, 5, 6], [1, 5, 7, 9])]
     bad_kv = torch.tensor([0, -3, 5, 6], **i32)
@@ -584,13 +731,29 @@ def _public_bad_offsets() -> None:
     assert bool((dk[0] == 0).all()) and torch.equal(dk[1], before[1][1])
 
 
+def _check_wrapper_sequence_counts() -> None:
+    """The wrapper's kernel launches on calls of one shape whose batches hold 3, then 5
+    sequences in the same rows, alternating: every call's rows match the oracle through the
+    interpreted kernel (a launch prepared for another count zeroes live rows)."""
+    real = postpass.prepare
+    postpass.prepare = postpass._launch_for  # type: ignore[assignment]  # minus its CUDA gate
+    try:
+        fake, wrapped = FakeTE.with_wrapper("2.20")
+        for ragged in (*SAME_ROWS_OTHER_COUNTS, *SAME_ROWS_OTHER_COUNTS):
+            fake.backend.reset()
+            wrapped(**call_arguments("2.20", ragged))
+            assert_post_pass(fake.backend.outputs, ragged, "padding_causal", (-1, -1), None)
+        assert postpass._no_kernel is None
+    finally:
+        postpass.prepare = real  # type: ignore[assignment]
+
+
 def _check_cpu_imports_no_triton_or_te() -> None:
     """First in the worker, a fresh process: the package and the post-pass on CPU tensors
     (impl auto and triton) import no Triton, and the package no Transformer Engine (what it
     does without TE: tests/test_policy_and_errors.py). Nothing has imported either yet."""
+    import te_gqa_fix
     import te_gqa_fix.patch
-    import te_gqa_fix.postpass.kernel
-    import te_gqa_fix.stack.affected
     import te_gqa_fix.wrapper
 
     assert callable(te_gqa_fix.fused_attn_bwd) and callable(te_gqa_fix.install)
@@ -598,27 +761,24 @@ def _check_cpu_imports_no_triton_or_te() -> None:
     offs = torch.tensor([0, 2, 5], dtype=torch.int32)
     for impl in ("auto", "triton"):
         zero_dead_rows(None, torch.ones(5, 1, 2), torch.ones(5, 1, 2), offs, offs, impl=impl)
-    assert te_gqa_fix.postpass.kernel.tl is None and "triton" not in sys.modules, (
-        "Triton imported on CPU"
-    )
+    assert _kernel.tl is None and "triton" not in sys.modules, "Triton imported on CPU"
     te = sorted(m for m in sys.modules if m.split(".")[0] == "transformer_engine")
     assert te == [], f"te_gqa_fix imported {te}"
 
 
 WORKER_CHECKS = {
     "cpu_imports_no_triton_or_te": _check_cpu_imports_no_triton_or_te,  # must stay first
+    "restated_rules": _check_restated_rules,
     **{f"fixed_{p}": (lambda p=p: _check_fixed(p)) for p in PATHS},
     **{f"random_{p}": (lambda p=p: _check_random(p)) for p in ("once", "chunks", "search")},
     **{f"bad_offsets_{p}": (lambda p=p: _check_bad_offsets(p)) for p in ("chunks", "search")},
-    **{f"malformed_{p}": (lambda p=p: _check_malformed(p)) for p in ("once", "chunks", "search")},
+    **{f"malformed_{p}": (lambda p=p: _check_malformed(p)) for p in ("chunks", "search")},
     "public_path": _check_public_path,
     "wrapper_sequence_counts": _check_wrapper_sequence_counts,
 }
 
 
 # --------------------------------------------------------------------------- tests
-
-
 background.STARTERS["interpreter_results"] = lambda folder: (
     start_checks(__file__, folder) if importlib.util.find_spec("triton") else None
 )
@@ -638,122 +798,50 @@ def test_interpreted_kernel(check: str, interpreter_results: Dict[str, dict]) ->
     assert result["ok"], f"{check} failed under the interpreter:\n{result['error']}"
 
 
-@pytest.mark.parametrize("cuda, builds", [(False, True), (True, True), (True, False)])
-def test_available_is_cuda_and_a_triton_that_builds(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, cuda: bool, builds: bool
-) -> None:
-    """True with CUDA where Triton builds the kernel; False without CUDA (no build asked) or
-    where the build raises anything (logged): the PyTorch post-pass. Decided once."""
-    built: List[int] = []
-
-    def build() -> object:
-        built.append(1)
-        if not builds:
-            raise RuntimeError("no libcuda")
-        return object()
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    monkeypatch.setattr(launch.kernel, "build", build)
-    launch.available.cache_clear()
-    try:
-        with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
-            assert launch.available() is launch.available() is (cuda and builds)
-    finally:
-        launch.available.cache_clear()
-    assert len(built) == int(cuda)
-    assert ("no Triton (no libcuda)" in caplog.text) is (cuda and not builds)
-
-
 def _small_case() -> Tuple[torch.Tensor, ...]:
     dq, dk, dv = torch.randn(12, 2, 8), torch.randn(12, 1, 8), torch.randn(12, 1, 8)
     offs = [torch.tensor(x, dtype=torch.int32) for x in ([0, 0, 3], [0, 3, 9], [0, 4, 12])]
     return dq, dk, dv, offs[0], offs[1], offs[2], offs[2]
 
 
-def test_cpu_tensors_get_no_kernel_plan_and_impl_triton_falls_back_to_torch() -> None:
+class _Subclass(torch.Tensor):
+    pass
+
+
+#: A change to dK, and why the kernel declines it.
+DECLINED = {
+    "float64": (lambda t: t.to(torch.float64), "dk is a 3-D torch.float64 tensor on cpu"),
+    "subclass": (lambda t: t.as_subclass(_Subclass), "dk is a _Subclass, not a plain torch.Tensor"),
+    "expanded": (lambda t: t[:, :1].expand(t.shape[0], 2, t.shape[2]), "dk is expanded (a zero stride)"),
+    "2-D": (lambda t: t.reshape(t.shape[0], -1), "dk is a 2-D torch.float32 tensor on cpu"),
+    "other device": (lambda t: t.to("meta"), "dq is a 3-D torch.float32 tensor on cpu"),
+    **({"float8": (lambda t: t.to(torch.float8_e4m3fn), "dk is a 3-D torch.float8_e4m3fn tensor on cpu")}
+       if hasattr(torch, "float8_e4m3fn") else {}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(DECLINED))
+def test_the_kernel_declines_what_it_does_not_handle(case: str) -> None:
+    """What the kernel takes, read from metadata (CUDA aside: on CPU tensors); what it
+    declines gets the PyTorch post-pass (tests/test_postpass.py)."""
+    change, why = DECLINED[case]
     dq, dk, dv, *offs = _small_case()
-    assert postpass.prepare_kernel(dq, dk, dv, tuple(offs), key_span("padding_causal")) is None
-    assert launch.unsupported(dq, dk, dv, tuple(offs)) == "device cpu"
-    ref = [t.clone() for t in (dq, dk, dv)]
-    zero_dead_rows(*ref, *offs, attn_mask_type="padding_causal", impl="torch")
-    zero_dead_rows(dq, dk, dv, *offs, attn_mask_type="padding_causal", impl="triton")
-    for t, r in zip((dq, dk, dv), ref):
-        assert torch.equal(t, r)
-    assert bool((dk[:4] == 0).all()) and not bool((dk[4:10] == 0).all())
-
-
-def test_launch_reuses_the_launcher_per_pointer_alignment(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A stand-in for kernel.build(): fn[grid](...) "compiles" (recorded) and returns a
-    # compiled kernel whose run() records what each later launch gives it.
-    dq, dk, dv, *offs = _small_case()
-    shifted = torch.randn(12 * 8 + 2)[2:].view(12, 1, 8)  # 8 bytes past a 16-byte boundary
-    plan = launch.prepare(dq, dk, dv, tuple(offs), key_span("padding_causal"))
-    compiles: List[int] = []
-    runs: List[Tuple[int, tuple]] = []
-
-    def compile_and_run(*args: Any, **meta: Any) -> Any:
-        compiles.append(args[1].data_ptr() % 16)
-        n = len(compiles)
-        run = lambda *a: runs.append((n, a))  # noqa: E731
-        return type(
-            "Compiled", (), {"function": "f", "packed_metadata": "m", "run": staticmethod(run)}
-        )()
-
-    fn = type("Fn", (), {"__getitem__": lambda *_: compile_and_run})()
-    fn.arg_names = ["t"] * 8 + ["s"] * len(plan.scalars) + list(plan.meta)
-    monkeypatch.setattr(launch.kernel, "build", lambda: fn)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 77, raising=False)
-    for dk_now in (dk, dk, shifted, shifted, dk):
-        launch.run_kernel(plan, dq, dk_now, dv, tuple(offs))
-    assert compiles == [0, 8] and [n for n, _ in runs] == [1, 2, 1], (compiles, runs)
-    ptrs = [t.data_ptr() for t in (dq, dk, dv, *offs)]
-    grid_and_handles = (*plan.grid, 77, "f", "m", None, None, None)
-    assert runs[0][1] == (
-        *grid_and_handles,
-        *ptrs,
-        plan.err_ptr,
-        *plan.scalars,
-        *plan.meta.values(),
-    )
-
-
-def test_the_c_launch_entry_is_taken_only_where_its_arguments_are_known() -> None:
-    """Triton's C entry point directly on the releases whose arguments were read
-    (``C_ENTRY_RELEASES``) and only when no scratch memory is needed; Triton's own launcher
-    anywhere else. (Against the real launcher: ``tests/gpu/test_public_postpass_cuda.py``.)"""
-
-    def compiled(**launcher: Any) -> SimpleNamespace:
-        attrs = dict(
-            launch=lambda *a: None, launch_cooperative_grid=False, launch_pdl=True,
-            global_scratch_size=0, profile_scratch_size=0,
-        )  # fmt: skip
-        attrs.update(launcher)
-        return SimpleNamespace(run=SimpleNamespace(**attrs), function=11, packed_metadata="m")
-
-    c = compiled()
-    entry, between = launch.launch_entry(c, "3.6.0")
-    assert entry is c.run.launch
-    assert between == (11, False, True, None, None, "m", None, None, None)
-    assert launch.launch_entry(c, "3.5.1")[0] is c.run.launch
-    own = (11, "m", None, None, None)
-    for version in ("3.4.0", "3.9.0", "3.10.0", "4.6.0", "unreadable"):
-        assert launch.launch_entry(c, version) == (c.run, own), version
-    for launcher in (dict(global_scratch_size=64), dict(profile_scratch_size=8)):
-        c = compiled(**launcher)
-        assert launch.launch_entry(c, "3.6.0") == (c.run, own), launcher
-    c = compiled()
-    del c.run.profile_scratch_size  # a launcher of another shape
-    assert launch.launch_entry(c, "3.6.0") == (c.run, own)
+    assert postpass._unfit(dq, dk, dv, tuple(offs)) is None
+    assert postpass._unfit(None, dk, dv, tuple(offs)) is None  # no dQ: dK/dV alone
+    one_head = dk.as_strided((12, 1, 8), (8, 0, 1))  # a stride of 0 on a size-1 dim is no expand
+    assert postpass._unfit(dq, one_head, dv, tuple(offs)) is None
+    assert postpass._unfit(dq, change(dk), dv, tuple(offs)) == why
+    for bad, why in ((offs[0].to(torch.int16), "cu_seqlens_q is torch.int16 on cpu"),
+                     (offs[0].to("meta"), "cu_seqlens_q is torch.int32 on meta")):  # fmt: skip
+        assert postpass._unfit(dq, dk, dv, (bad, *offs[1:])) == why
 
 
 # --------------------------------------------------------------------------- GPU
-
-
 def _need_cuda_triton() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     pytest.importorskip("triton")
-    assert launch.available()
+    assert postpass.implementation() == ("triton", None)
 
 
 @pytest.fixture(params=list(PATHS))
@@ -796,14 +884,14 @@ MANY = (
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compare_max", [launch.COMPARE_MAX_OFFSETS, 1 << 30],
+@pytest.mark.parametrize("compare_max", [postpass.COMPARE_MAX_OFFSETS, 1 << 30],
                          ids=["search", "compare"])  # fmt: skip
 def test_gpu_many_sequences_and_bad_later_chunk(
     compare_max: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """More offsets than one chunk of the shipped constants holds."""
     _need_cuda_triton()
-    monkeypatch.setattr(launch, "COMPARE_MAX_OFFSETS", compare_max)
+    monkeypatch.setattr(postpass, "COMPARE_MAX_OFFSETS", compare_max)
     for nseq, changes in MANY:
         for mask, window, brd in FIXED_MASKS:
             case = many_case(nseq, nseq, **changes, mask=mask, window=window)
@@ -811,61 +899,15 @@ def test_gpu_many_sequences_and_bad_later_chunk(
     check_bad_offsets(nseq=300, first_bad=260, device="cuda")
 
 
-class _Subclass(torch.Tensor):
-    pass
-
-
-@pytest.mark.parametrize(
-    "change, needle",
-    [
-        (lambda t: t.to(torch.float64), "float64"),
-        (lambda t: t.as_subclass(_Subclass), "not a plain"),
-        (lambda t: t[:, :1].expand(t.shape[0], 2, t.shape[2]), "zero-stride"),
-        (lambda t: t.reshape(t.shape[0], -1), "2-D"),
-        (lambda t: t.to("meta"), "meta"),
-    ],
-)
-def test_kernel_declines_what_it_does_not_handle(change: Any, needle: str) -> None:
-    """What the kernel takes, read from metadata (on CPU tensors: the CUDA check aside)."""
-    dq, dk, dv, *offs = _small_case()
-    cpu = torch.device("cpu")
-    assert launch._unfit(dq, dk, dv, tuple(offs), cpu) is None
-    assert launch._unfit(None, dk, dv, tuple(offs), cpu) is None  # no dQ: dK/dV alone
-    one_head = dk.as_strided((12, 1, 8), (8, 0, 1))  # a stride of 0 on a size-1 dim is no expand
-    assert launch._unfit(dq, one_head, dv, tuple(offs), cpu) is None
-    why = launch._unfit(dq, change(dk), dv, tuple(offs), cpu)
-    assert why is not None and needle in why, why
-    for bad in (offs[0].to(torch.int16), offs[0].to("meta")):
-        assert "offsets" in str(launch._unfit(dq, dk, dv, (bad, *offs[1:]), cpu))
-    if hasattr(torch, "float8_e4m3fn"):
-        assert "float8" in str(launch._unfit(dq, dk.to(torch.float8_e4m3fn), dv, tuple(offs), cpu))
-
-
-def test_launch_sizing_reads_the_tensors_gpu_and_the_offsets_count(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The SM count of the gradients' GPU (or the current one), and the compare path up to
-    COMPARE_MAX_OFFSETS offsets, binary search beyond: both from metadata, on CPU."""
-    asked: List[int] = []
-    props = lambda i: asked.append(i) or SimpleNamespace(multi_processor_count=100 + i)  # noqa: E731
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
-    sm_count = launch._sm_count.__wrapped__  # not the cache
-    assert [sm_count(torch.device(d)) for d in ("cuda:1", "cuda", "cpu")] == [101, 103, 1]
-    assert asked == [1, 3]
-    _, dk, dv, *_ = _small_case()
-    for n_offsets, search in ((launch.COMPARE_MAX_OFFSETS, False), (launch.COMPARE_MAX_OFFSETS + 1, True)):  # fmt: skip
-        offs = (torch.zeros(n_offsets, dtype=torch.int32),) * 2 + (None, None)
-        assert launch.prepare(None, dk, dv, offs, key_span("padding")).meta["SEARCH"] is search
-
-
 @pytest.mark.gpu
 def test_gpu_tensors_are_the_kernels() -> None:
     _need_cuda_triton()
     dq, dk, dv, *offs = (t.cuda() for t in _small_case())
-    assert launch.unsupported(dq, dk, dv, tuple(offs)) is None
+    assert postpass.prepare(dq, dk, dv, tuple(offs), key_span("padding")) is not None
     # dK on CUDA: past the device check, the metadata checks still see dQ on the CPU.
-    assert "on cpu" in str(launch.unsupported(dq.cpu(), dk, dv, tuple(offs)))
+    assert (
+        postpass._unfit(dq.cpu(), dk, dv, tuple(offs)) == "dq is a 3-D torch.float32 tensor on cpu"
+    )
 
 
 @pytest.mark.gpu
@@ -886,7 +928,7 @@ def test_gpu_no_sync_and_cuda_graph() -> None:
     pad_t = torch.tensor(pad, dtype=torch.int32, device=dev)
     args = (dq, dk, dv, cu_q, cu_kv, pad_t, pad_t)
     mask = "padding_causal_bottom_right"
-    assert postpass.prepare_kernel(dq, dk, dv, args[3:], key_span(mask)) is not None
+    assert postpass.prepare(dq, dk, dv, args[3:], key_span(mask)) is not None
 
     zero_dead_rows(*args, attn_mask_type=mask, impl="triton")  # compile outside
     torch.cuda.synchronize()
@@ -898,7 +940,7 @@ def test_gpu_no_sync_and_cuda_graph() -> None:
     dq.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    assert not postpass._broken
+    assert postpass._no_kernel is None
     # Sequence 1 (lq 0) is wholly dead: rows pad[1] .. pad[2].
     assert bool((dk[pad[1] : pad[2]] == 0).all()) and bool((dv[pad[1] : pad[2]] == 0).all())
     # Sequence 0's attended keys (bottom-right causal: all 600) stay NaN.
