@@ -237,8 +237,6 @@ class Bad:
     text: str  # the message starts with this ({dq}, {dk}, {dv}, {of}: see the docstring)
     #: a context the call runs in (e.g. an allocator that fails)
     within: Callable[[], Any] = contextlib.nullcontext
-    #: entry points where a known bug still gives another error: {entry: the bug}
-    known_bugs: Tuple[Tuple[str, str], ...] = ()
 
 
 _RANGE = "expected a non-negative int, at most 2**31 - 1 (TE's int32 offsets), got"
@@ -248,8 +246,6 @@ _NO_GRAD = "{dv}: expected a gradient that does not require grad"
 _IN_PLACE = "{dk}: expected a torch.Tensor whose rows can be zeroed in place"
 _NESTED = "expected a strided torch.Tensor of shape [tokens, heads, head_dim], got a nested tensor"
 _ALLOC = "the masks for 2147483647 rows need about 69631 MiB on cpu, which could not be allocated"
-_WRAPPER_NESTED = (("wrapper", "the wrapper's call key reads q.shape first: torch's raw "
-                    "'NestedTensorImpl doesn't support sizes'"),)  # fmt: skip
 ALL = "zero masks wrapper"  # where the offsets' checks apply
 
 #: Impossible offset values (the device judges them; on CPU the call raises at once):
@@ -371,10 +367,8 @@ BAD: Dict[str, Bad] = {
     "numpy_dq": Bad("zero wrapper", _set(dq=lambda a: a["dq"].numpy()), InputError,
                     "{dq}: expected a torch.Tensor of shape"),
     # Before: torch's "NestedTensorImpl doesn't support sizes" from zero_dead_rows.
-    "dk_nested": Bad("zero wrapper", _set(dk=_nested([3, 7], 2)), InputError, f"{{dk}}: {_NESTED}",
-                     known_bugs=_WRAPPER_NESTED),
-    "dq_nested": Bad("zero wrapper", _set(dq=_nested([2, 3], 4)), InputError, f"{{dq}}: {_NESTED}",
-                     known_bugs=_WRAPPER_NESTED),
+    "dk_nested": Bad("zero wrapper", _set(dk=_nested([3, 7], 2)), InputError, f"{{dk}}: {_NESTED}"),
+    "dq_nested": Bad("zero wrapper", _set(dq=_nested([2, 3], 4)), InputError, f"{{dq}}: {_NESTED}"),
     # ---- the gradients: memory the post-pass cannot zero row by row
     "rows_expanded": Bad("zero", _set(cu_seqlens_q=_t([0, 1, 1, 2]), dq=torch.randn(1, 4, 2).expand(2, 4, 2)),
                          InputError, "dq: expected token rows that do not share memory, got shape "
@@ -425,8 +419,7 @@ BAD: Dict[str, Bad] = {
 }  # fmt: skip
 
 CASES = [
-    pytest.param(case, at, id=f"{case}-{at}", marks=[pytest.mark.xfail(
-        strict=True, raises=RuntimeError, reason=dict(row.known_bugs)[at])] if at in dict(row.known_bugs) else [])
+    pytest.param(case, at, id=f"{case}-{at}")
     for case, row in BAD.items() for at in row.at.split()
 ]  # fmt: skip
 

@@ -183,13 +183,17 @@ def _call_key(policy: str, guard: str, a: Args) -> Optional[tuple]:
     T = _Tensor
     if type(q) is not T or type(k) is not T or type(v) is not T:
         return None
+    try:
+        shapes = (q.shape, k.shape, v.shape)
+    except RuntimeError:  # a nested tensor has no shape: the input gate refuses it
+        return None
     return (
-        policy, guard, q.get_device() if q.is_cuda else None, q.dtype, q.shape, k.shape,
-        v.shape, a.cu_seqlens_q is a.cu_seqlens_kv,
-        a.cu_seqlens_q_padded is a.cu_seqlens_kv_padded, a.attn_mask_type,
-        tuple(window) if type(window) is list else window, a.bottom_right_diagonal,
-        a.qkv_layout, a.dqkv_layout, a.o_format, a.do_format, a.dropout, a.attn_bias_type,
-        a.softmax_type, a.deterministic, a.fake_dtype, a.dqkv_dtype,
+        policy, guard, q.get_device() if q.is_cuda else None, q.dtype, shapes,
+        a.cu_seqlens_q is a.cu_seqlens_kv, a.cu_seqlens_q_padded is a.cu_seqlens_kv_padded,
+        a.attn_mask_type, tuple(window) if type(window) is list else window,
+        a.bottom_right_diagonal, a.qkv_layout, a.dqkv_layout, a.o_format, a.do_format,
+        a.dropout, a.attn_bias_type, a.softmax_type, a.deterministic, a.fake_dtype,
+        a.dqkv_dtype,
         a.s_quantizer is None and a.dp_quantizer is None and a.dqkv_quantizer is None,
         type(a.max_seqlen_q) is int and type(a.max_seqlen_kv) is int,
     )  # fmt: skip
