@@ -353,24 +353,31 @@ def test_install_logs_one_info_line_per_call_without_a_prefix(
     assert not any(r.getMessage().startswith("te_gqa_fix") for r in caplog.records)
 
 
+@pytest.mark.parametrize("via", ["install", "drop-in"])
 @pytest.mark.parametrize("version", ["2.8.0", "2.20.2"])
-def test_install_warns_once_on_a_te_not_validated_on_a_gpu(
+def test_a_te_not_validated_on_a_gpu_is_warned_of_once(
     version: str,
+    via: str,
     tmp_path: Path,
     fake_te: Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """TE 2.20 was validated on a GPU; another release gets one WARNING naming it (at the
-    first install; later ones say nothing new)."""
+    """TE 2.20 was validated on a GPU; another release gets one WARNING naming it, at the
+    first install or the drop-in's first look at TE (later ones say nothing new)."""
     other = tmp_path / "other"
     te_package.write_fake_te(other, version=version)
     monkeypatch.syspath_prepend(str(other))
     importlib.invalidate_caches()
     with caplog.at_level(logging.INFO, logger="te_gqa_fix"):
-        install()
-        uninstall()
-        install()
+        if via == "install":
+            install()
+            uninstall()
+            install()
+        else:
+            for _ in range(2):
+                with pytest.raises(TypeError):  # no arguments: TE's own call refuses it
+                    te_gqa_fix.fused_attn_bwd()
     said = _records(caplog, logging.WARNING)
     if version == "2.20.2":
         assert said == []

@@ -516,6 +516,7 @@ def _resolve_drop_in() -> Tuple[Dict[str, Any], object, Callable]:
     # Installed (ours somewhere in its chain): TE's module already calls the wrapper.
     target = held if any(is_wrapper(x) for x in chain(held)) else wrapper_for(held)
     _drop_in = (vars(module), held, target)
+    _te.warn_if_unvalidated()
     return _drop_in
 
 
