@@ -25,10 +25,11 @@ import torch
 from fakes import background
 from fakes.interpreter import results, start_checks, worker_main
 from te_gqa_fix import fallback
-from te_gqa_fix._te import OFFSET_NAMES, Args, Signature
+from te_gqa_fix._te import OFFSET_NAMES, Args
 from te_gqa_fix.errors import InputError
 from te_gqa_fix.fallback._row_moves import move_rows
 from te_gqa_fix.postpass import zero_dead_rows
+from te_gqa_fix.wrapper import Signature
 from thd import (
     ThdBatch,
     attention_mask,

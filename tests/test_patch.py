@@ -399,7 +399,7 @@ ROOT_ERRORS = {
 }  # fmt: skip
 #: Helpers public in their modules (``te_gqa_fix.<module>.<name>``), not at the root.
 SUBMODULE_API = (
-    "wrapper.wrapper_for wrapper.chain _te.Signature _te.te_version rules.judge rules.decide "
+    "wrapper.wrapper_for wrapper.chain wrapper.Signature _te.te_version rules.judge rules.decide "
     "settings.per_call masks.key_span patch.installed_sites"
 ).split()
 

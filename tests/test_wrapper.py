@@ -43,8 +43,9 @@ from fakes.te_outputs import (
 )
 from te_gqa_fix import InputError, OffsetsError, UnrepairableConfiguration, postpass
 from te_gqa_fix import wrapper as wrapper_module
-from te_gqa_fix._te import Args, Signature
 from te_gqa_fix.wrapper import (
+    Args,
+    Signature,
     call_counts,
     chain,
     is_wrapper,

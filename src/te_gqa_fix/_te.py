@@ -1,24 +1,19 @@
-"""Transformer Engine as te-gqa-fix sees it: its names, module paths and releases, the cuDNN
-it runs, and the arguments of its ``fused_attn_bwd`` read by name.
+"""Transformer Engine as te-gqa-fix sees it: its names, module paths and releases, and the
+cuDNN it runs.
 
-Every module that names something of TE takes it from here. TE is imported only by
-:func:`fused_attn_module`; the rest reads what is already imported, or nothing.
-
-TE's signature drifted between releases (2.8 has ``dqkv_dtype``; 2.20 has ``o_format``,
-``do_format``, ``dqkv_layout``, ``bottom_right_diagonal``) and its call sites mix positional
-and keyword arguments, so arguments are read by name through the wrapped function's own
-signature (:class:`Signature`).
+Every module that names something of TE takes it from here, the names of the
+``fused_attn_bwd`` arguments te-gqa-fix reads included (:class:`Args`; the wrapper reads a
+call's arguments by name with :class:`te_gqa_fix.wrapper.Signature`). TE is imported only by :func:`fused_attn_module`; the rest
+reads what is already imported, or nothing.
 """
 
 from __future__ import annotations
 
 import importlib
-import inspect
 import logging
-import operator
 import sys
 from types import ModuleType
-from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 from ._logging import log_once
 from .errors import SetupError
@@ -37,7 +32,6 @@ __all__ = [
     "THD_LAYOUTS",
     "THD_MASKS",
     "Args",
-    "Signature",
     "fused_attn_module",
     "missing_symbol",
     "release",
@@ -190,7 +184,6 @@ def te_cudnn_version() -> Optional[Tuple[int, int, int]]:
         return None
 
 
-# ------------------------------------------------------------------------- arguments
 class Args(NamedTuple):
     """The arguments of one ``fused_attn_bwd`` call that te-gqa-fix reads, by TE's names.
 
@@ -230,64 +223,3 @@ class Args(NamedTuple):
     s_quantizer: Any
     dp_quantizer: Any
     dqkv_quantizer: Any
-
-
-_new_args = tuple.__new__  # Args from a tuple in field order, without a Python frame
-
-
-class Signature:
-    """Name-based access to the arguments of calls to one function (TE's signature)."""
-
-    def __init__(self, fn: Callable) -> None:
-        """Read ``fn``'s signature.
-
-        Args:
-            fn: the function whose calls are read (its ``__wrapped__`` chain is followed).
-
-        Raises:
-            TypeError: a signature with ``*args`` or ``**kwargs`` (not readable by name).
-        """
-        sig = inspect.signature(fn)
-        params = list(sig.parameters.values())
-        if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
-            raise TypeError("a signature with *args or **kwargs cannot be read by name")
-        positions = {p.name: i for i, p in enumerate(params) if p.kind != p.KEYWORD_ONLY}
-        defaults = {p.name: p.default for p in params if p.default is not p.empty}
-        defaults.pop("dqkv_layout", None)  # left out: qkv_layout names it (see Args)
-        #: TE >= 2.12 passes a right window bound to cuDNN with every mask.
-        self.has_right_bound = "bottom_right_diagonal" in sig.parameters
-        self._slots = [(n, positions.get(n), defaults.get(n)) for n in Args._fields]
-        self._fast: Optional[Callable[[tuple], tuple]] = None
-        self._need = 0
-        self._tail: tuple = ()
-        present = [n for n in Args._fields if n in sig.parameters]
-        if all(n in positions for n in present):
-            # A call that passes every present name by position: one C call. Names the
-            # signature lacks index into a tail of Nones appended to the arguments.
-            absent = [n for n in Args._fields if n not in sig.parameters]
-            self._tail = (None,) * len(absent)
-            where = {n: -(len(absent) - i) for i, n in enumerate(absent)}
-            self._fast = operator.itemgetter(
-                *(positions[n] if n in positions else where[n] for n in Args._fields)
-            )
-            self._need = max((positions[n] for n in present), default=-1) + 1
-
-    def pick(self, args: Sequence, kwargs: Dict[str, Any]) -> Args:
-        """The :class:`Args` of one call (defaults where not given).
-
-        Args:
-            args, kwargs: the call's positional and keyword arguments.
-
-        Returns:
-            The arguments by name.
-        """
-        if self._fast is not None and not kwargs and len(args) >= self._need:
-            return _new_args(Args, self._fast(tuple(args) + self._tail))
-        n_args = len(args)
-        return _new_args(
-            Args,
-            [
-                kwargs[n] if n in kwargs else args[i] if i is not None and i < n_args else d
-                for n, i, d in self._slots
-            ],
-        )

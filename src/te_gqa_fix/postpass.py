@@ -416,11 +416,15 @@ def launch_entry(compiled: Any, triton_version: str) -> Tuple[Callable[..., None
     return run, (compiled.function, compiled.packed_metadata, None, None, None)
 
 
+_data_ptr = torch.Tensor.data_ptr
+_SIXTEEN = 16
+
+
 class KernelLaunch:
     """Everything a launch of the kernel needs that depends only on metadata (grid, scalars,
     compile-time constants), prepared once per call shape by :func:`prepare`. ``launchers``
-    maps the pointers' 16-byte alignment (what Triton specializes a pointer on) to a bound
-    launcher of the compiled kernel."""
+    maps the pointers' offsets from 16-byte alignment (Triton specializes a pointer on its
+    alignment) to a bound launcher of the compiled kernel."""
 
     __slots__ = ("device", "err", "grid", "launchers", "meta", "scalars")
 
@@ -451,8 +455,8 @@ class KernelLaunch:
             cu_kv if pad_kv is None else pad_kv if pad_kv.is_contiguous() else pad_kv.contiguous()
         )
         tensors = (dk if dq is None else dq, dk, dv, cu_q, cu_kv, pad_q, pad_kv)
-        ptrs = [t.data_ptr() for t in tensors]
-        align = tuple([p % 16 == 0 for p in ptrs])
+        ptrs = list(map(_data_ptr, tensors))
+        align = tuple(map(_SIXTEEN.__rmod__, ptrs))  # what Triton specializes a pointer on
         launcher = self.launchers.get(align)
         if launcher is not None:
             launcher(*ptrs)
@@ -579,7 +583,9 @@ def zero(
     this call.
     """
     global _no_kernel
-    _raise_pending(dk.device)
+    rec = _records.get(dk.device)
+    if rec is not None and (rec.words[0] or rec.words[1]):
+        _raise_pending(dk.device)
     if validate:
         rows_q = None if dq is None else int(shape_of(dq)[0])  # type: ignore[index]
         checks.offset_values(rows_q, int(shape_of(dk)[0]), *offsets)  # type: ignore[index]

@@ -204,6 +204,7 @@ def describe(environ: Optional[Mapping[str, str]] = None) -> Dict[str, Dict[str,
 
 #: What the wrapper reads at every call, in this order.
 PER_CALL = ("TE_GQA_FIX", "TE_GQA_FIX_GUARD", "TE_GQA_FIX_VALIDATE")
+_PER_CALL_KEYS = tuple(_STORE_KEYS[n] for n in PER_CALL) if _STORE_KEYS else None
 _per_call: Dict[tuple, Tuple[str, ...]] = {}
 
 
@@ -211,7 +212,11 @@ def per_call() -> Tuple[str, ...]:
     """:data:`PER_CALL`, parsed from ``os.environ`` now: three reads and one dict lookup
     per call (cached per raw values). The first call with a typo in any of them raises
     :class:`SettingError`; the first call logs, once, every unknown ``TE_GQA_FIX*`` name."""
-    raw = tuple([_raw(n, _ENVIRON) for n in PER_CALL])
+    if _PER_CALL_KEYS is None:
+        raw = tuple([_raw(n, _ENVIRON) for n in PER_CALL])
+    else:  # three dict reads, no Python frame
+        read, (policy, guard, validate) = _STORE.get, _PER_CALL_KEYS  # type: ignore[union-attr]
+        raw = (read(policy), read(guard), read(validate))
     values = _per_call.get(raw)
     if values is None:
         values = tuple([get(n) for n in PER_CALL])

@@ -14,6 +14,11 @@ One call, top to bottom (``fused_attn_bwd`` in :func:`_new_wrapper`):
    needs it), or :class:`~te_gqa_fix.errors.UnrepairableConfiguration`;
 5. the post-pass (:mod:`.postpass`) on the gradients: one prepared kernel launch.
 
+TE's signature drifted between releases (2.8 has ``dqkv_dtype``; 2.20 has ``o_format``,
+``do_format``, ``dqkv_layout``, ``bottom_right_diagonal``) and its call sites mix positional
+and keyword arguments, so arguments are read by name through the wrapped function's own
+signature (:class:`Signature`, once per wrapped function).
+
 A repeat call enters this module, :mod:`.settings` and :mod:`.postpass` (and the fallback
 where it runs). No host sync.
 
@@ -24,18 +29,21 @@ signature itself (the benchmarks time it around a stub).
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
-from typing import Any, Callable, Dict, List, Optional, Tuple
+import operator
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import _te, checks, postpass, rules, settings
 from ._logging import log_once, logger
-from ._te import LAYOUTS, SYMBOL, Args, Signature
+from ._te import LAYOUTS, SYMBOL, Args
 from .errors import InputError, UnrepairableConfiguration
 from .masks import KeySpan, key_span
 
 __all__ = [
+    "Signature",
     "call_counts",
     "chain",
     "fused_attn_bwd",
@@ -75,6 +83,68 @@ def chain(fn: object) -> List[Any]:
             break
         links.append(inner)
     return links
+
+
+# -------------------------------------------------------------------------- arguments
+_new_args = tuple.__new__  # Args from a tuple in field order, without a Python frame
+
+
+class Signature:
+    """Name-based access to the arguments of calls to one function (TE's signature)."""
+
+    def __init__(self, fn: Callable) -> None:
+        """Read ``fn``'s signature.
+
+        Args:
+            fn: the function whose calls are read (its ``__wrapped__`` chain is followed).
+
+        Raises:
+            TypeError: a signature with ``*args`` or ``**kwargs`` (not readable by name).
+        """
+        sig = inspect.signature(fn)
+        params = list(sig.parameters.values())
+        if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+            raise TypeError("a signature with *args or **kwargs cannot be read by name")
+        positions = {p.name: i for i, p in enumerate(params) if p.kind != p.KEYWORD_ONLY}
+        defaults = {p.name: p.default for p in params if p.default is not p.empty}
+        defaults.pop("dqkv_layout", None)  # left out: qkv_layout names it (see Args)
+        #: TE >= 2.12 passes a right window bound to cuDNN with every mask.
+        self.has_right_bound = "bottom_right_diagonal" in sig.parameters
+        self._slots = [(n, positions.get(n), defaults.get(n)) for n in Args._fields]
+        self._fast: Optional[Callable[[tuple], tuple]] = None
+        self._need = 0
+        self._tail: tuple = ()
+        present = [n for n in Args._fields if n in sig.parameters]
+        if all(n in positions for n in present):
+            # A call that passes every present name by position: one C call. Names the
+            # signature lacks index into a tail of Nones appended to the arguments.
+            absent = [n for n in Args._fields if n not in sig.parameters]
+            self._tail = (None,) * len(absent)
+            where = {n: -(len(absent) - i) for i, n in enumerate(absent)}
+            self._fast = operator.itemgetter(
+                *(positions[n] if n in positions else where[n] for n in Args._fields)
+            )
+            self._need = max((positions[n] for n in present), default=-1) + 1
+
+    def pick(self, args: Sequence, kwargs: Dict[str, Any]) -> Args:
+        """The :class:`Args` of one call (defaults where not given).
+
+        Args:
+            args, kwargs: the call's positional and keyword arguments.
+
+        Returns:
+            The arguments by name.
+        """
+        if self._fast is not None and not kwargs and len(args) >= self._need:
+            return _new_args(Args, self._fast(tuple(args) + self._tail))
+        n_args = len(args)
+        return _new_args(
+            Args,
+            [
+                kwargs[n] if n in kwargs else args[i] if i is not None and i < n_args else d
+                for n, i, d in self._slots
+            ],
+        )
 
 
 # ----------------------------------------------------------------------------- counts
@@ -199,10 +269,6 @@ def _call_key(policy: str, guard: str, a: Args) -> Optional[tuple]:
     )  # fmt: skip
 
 
-def _meta(t: object) -> object:
-    return (t.dtype, t.shape, t.device) if type(t) is _Tensor else (type(t),)  # type: ignore[union-attr]
-
-
 def _same_memory(a: object, b: object) -> bool:
     return a is b or (
         type(a) is _Tensor
@@ -238,11 +304,16 @@ def _inputs_key(a: Args, fallback: bool) -> Optional[tuple]:
         return key
     aux = a.aux_ctx_tensors
     stats = aux[0] if type(aux) in (list, tuple) and aux else None
-    return (
-        *key, _meta(k), _meta(v), _meta(a.d_o), _meta(a.o), _meta(stats),
-        _same_memory(cu_q, cu_kv), _same_memory(pad_q, pad_kv),
-        pad_q is None or _same_memory(pad_q, cu_q), pad_kv is None or _same_memory(pad_kv, cu_kv),
-    )  # fmt: skip
+    extra = []
+    for t in (k, v, a.d_o, a.o, stats):
+        extra.append((t.dtype, t.shape, t.device) if type(t) is T else type(t))
+    # What the recipe reads of the offsets' memory (the same tensor, as TE passes them, costs
+    # no data_ptr read): one for q and kv, one padded, each side's sequences back to back.
+    one_offsets = cu_q is cu_kv or _same_memory(cu_q, cu_kv)
+    one_padded = pad_q is pad_kv or _same_memory(pad_q, pad_kv)
+    back_q = pad_q is None or pad_q is cu_q or _same_memory(pad_q, cu_q)
+    back_kv = pad_kv is None or pad_kv is cu_kv or _same_memory(pad_kv, cu_kv)
+    return (*key, *extra, one_offsets, one_padded, back_q, back_kv)
 
 
 def _shape(t: object) -> Optional[tuple]:
@@ -360,16 +431,18 @@ def _fallback(decision: Decision, prepared: Prepared, a: Args, has_right_bound: 
     recipe = prepared.recipe
     if recipe is None:
         recipe = prepared.recipe = decision.fallback.decide(a, has_right_bound)
+        if not isinstance(recipe, str):
+            log_once(
+                ("fallback", decision.message), logging.WARNING,
+                "%s te-gqa-fix computes this backward exactly with PyTorch's FlashAttention-2 "
+                "kernels instead (slower than a cuDNN measured right: TE_GQA_FIX_CUDNN=auto)",
+                decision.message,
+            )  # fmt: skip
     if isinstance(recipe, str):
         raise UnrepairableConfiguration(
             f"{decision.message} The exact fallback cannot serve this call: {recipe}. To "
             "accept TE's wrong result knowingly instead, set TE_GQA_FIX_GUARD=warn."
         )
-    log_once(
-        ("fallback", decision.message), logging.WARNING,
-        "%s te-gqa-fix computes this backward exactly with PyTorch's FlashAttention-2 kernels "
-        "instead (slower than a cuDNN measured right: TE_GQA_FIX_CUDNN=auto)", decision.message,
-    )  # fmt: skip
     return decision.fallback.run(recipe, a)
 
 

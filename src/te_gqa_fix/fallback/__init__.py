@@ -283,8 +283,10 @@ def _probe_device(dtype: torch.dtype, device: torch.device) -> Optional[str]:
 def _ready(t: torch.Tensor) -> torch.Tensor:
     """``t`` as FlashAttention-2 loads it: unit last stride, 16-byte aligned rows (a copy
     where not: ``contiguous()`` would return a contiguous but misaligned view unchanged)."""
-    aligned = t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
-    return t if t.stride(-1) == 1 and aligned else t.clone(memory_format=torch.contiguous_format)
+    *outer, last = t.stride()
+    if last == 1 and t.data_ptr() % 16 == 0 and not any(map((8).__rmod__, outer)):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _varlen_offsets(lo: torch.Tensor, hi: torch.Tensor, rows: int) -> torch.Tensor:
@@ -441,7 +443,7 @@ def run(recipe: Recipe, a: Args) -> List[Optional[torch.Tensor]]:
     Returns:
         ``[dq, dk, dv, None, None]`` as TE returns them (no dBias, no dSoftmaxOffset).
     """
-    q, k, v, d_o = (_ready(t) for t in (a.q, a.k, a.v, a.d_o))
+    q, k, v, d_o = _ready(a.q), _ready(a.k), _ready(a.v), _ready(a.d_o)
     rows_q, rows_k, d_qk, d_v = q.shape[0], k.shape[0], q.shape[-1], v.shape[-1]
     out = lse = None
     if recipe.reuse_stats:
