@@ -127,8 +127,7 @@ def status() -> Status:
         A :class:`Status` (``print()`` it, or ``.as_dict()``). Imports neither TE nor torch:
         what is not loaded yet reads as unknown.
     """
-    import _te_gqa_fix_autopatch as hook
-
+    hook = sys.modules.get("_te_gqa_fix_autopatch")  # loaded where a start-up file ran it
     cudnn = _te.te_cudnn_version()
     capability = _gpu()
     verdict = rules.judge(capability, cudnn)
@@ -161,7 +160,7 @@ def status() -> Status:
         installed=installed,
         sites=sites,
         unreached=unreached,
-        activated_by=hook.state().get("activated_by"),
+        activated_by=hook.state().get("activated_by") if hook is not None else None,
         postpass=impl,
         postpass_why=why,
         settings={
