@@ -7,8 +7,13 @@ and ``suite`` (what was measured on it, e.g. ``tests`` or ``step``). The records
 (build, suite) pair form a block, opened by one ``{"kind": "block", ...}`` record that says
 where they came from: ``date`` (ISO, UTC), ``commit`` (short hash of the code measured),
 ``command``, ``gpu``, ``gpu_count`` and ``stack`` (driver, torch, CUDA, TE, the cuDNN TE
-runs, ...). A GPU run writes a file of the blocks it measured; ``merge`` replaces exactly
-those blocks in the data file and keeps every other block, with its own date and commit.
+runs, ...); the block's other records (its rows) follow it. A GPU run writes a file of the
+blocks it measured. For validation, ``merge`` replaces exactly those blocks in the data file
+and keeps every other block, with its own date and commit. For performance,
+``merge_rows`` replaces rows, not blocks: a new block's rows replace only the earlier rows
+of the same (build, suite) with the same row key (``tokens``, ``offsets`` and ``mode`` of a
+training step, ...), and the rest of the earlier block stays with its own block record, so
+one (build, suite) may then have several blocks, newest first.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import os
 import re
 import subprocess
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 Rec = Dict[str, Any]
@@ -94,8 +99,39 @@ def blocks(recs: Sequence[Rec]) -> Dict[Key, Rec]:
     return {key(r): r for r in recs if r.get("kind") == BLOCK}
 
 
-def check_blocks(recs: Sequence[Rec]) -> None:
-    """Every record has a build and a suite, and every (build, suite) one block record."""
+def split_blocks(recs: Sequence[Rec]) -> List[Tuple[Rec, List[Rec]]]:
+    """``[(block record, its rows)]`` in file order: a row belongs to the block record before
+    it, which must be of the row's (build, suite)."""
+    out: List[Tuple[Rec, List[Rec]]] = []
+    for r in recs:
+        if "build" not in r or "suite" not in r:
+            raise ValueError(f"a record without build and suite: {json.dumps(r)[:200]}")
+        if r.get("kind") == BLOCK:
+            out.append((r, []))
+        elif out and key(out[-1][0]) == key(r):
+            out[-1][1].append(r)
+        else:
+            raise ValueError(f"a record not after a block record of its build and suite: "
+                             f"{json.dumps(r)[:200]}")  # fmt: skip
+    return out
+
+
+def heads(recs: Sequence[Rec]) -> List[Rec]:
+    """Every block record, in file order (several of one (build, suite) where rows merge)."""
+    return [r for r in recs if r.get("kind") == BLOCK]
+
+
+def check_blocks(recs: Sequence[Rec], one_per_key: bool = True) -> None:
+    """Every record has a build and a suite, and every (build, suite) one block record; or,
+    not ``one_per_key`` (data merged by rows), every row follows a block record of its
+    (build, suite) and no block record is there twice."""
+    if not one_per_key:
+        seen: List[Rec] = []
+        for h, _ in split_blocks(recs):
+            if h in seen:
+                raise ValueError(f"a block twice: {key(h)} of {h.get('date')}")
+            seen.append(h)
+        return
     heads: Dict[Key, int] = {}
     for r in recs:
         if "build" not in r or "suite" not in r:
@@ -135,6 +171,60 @@ def merge(
     out = sort_blocks([*kept, *new], suites, builds)
     check_blocks(out)
     return out
+
+
+def merge_rows(
+    old: Sequence[Rec],
+    new: Sequence[Rec],
+    row_key: Callable[[Rec], Hashable],
+    suites: Sequence[str],
+    builds: Sequence[str],
+) -> List[Rec]:
+    """``old`` with ``new``'s blocks added, row by row: each row of a new block replaces the
+    row of the same (build, suite) and ``row_key`` in every earlier block, unless that row
+    comes from a later run (by date; on the same date the new block's row wins); rows whose
+    key is None replace all rows of theirs (a block-level suite). The rows a new block did
+    not measure stay in their own block, under their own block record; a block left without
+    rows goes (an earlier block of no rows too), and a block record already in ``old`` (the
+    same run merged again) is replaced whole. Blocks in page order, the newest block of a (build, suite) first."""
+    check_blocks(new, one_per_key=False)
+    have = split_blocks(old)
+    for head, rows in split_blocks(new):
+        keys = [row_key(r) for r in rows]
+        named = [k for k in keys if k is not None]
+        if len(set(named)) < len(named):
+            raise ValueError(f"{key(head)}: two rows of one key in a block")
+        have = [(h, rs) for h, rs in have if h != head]
+        mine = [(h, rs) for h, rs in have if key(h) == key(head)]
+        date = str(head.get("date") or "")
+        later = {row_key(r) for h, rs in mine if str(h.get("date") or "") > date for r in rs}
+        rows = [r for r, k in zip(rows, keys) if k not in later]
+        measured = {row_key(r) for r in rows}
+        out = []
+        for h, rs in have:
+            left = [r for r in rs if key(h) != key(head) or row_key(r) not in measured]
+            if left or (not rs and key(h) != key(head)):
+                out.append((h, left))
+        have = out
+        if rows or not keys:
+            have.append((head, rows))
+    merged = sort_runs(have, suites, builds)
+    check_blocks(merged, one_per_key=False)
+    return merged
+
+
+def sort_runs(
+    runs: Sequence[Tuple[Rec, List[Rec]]], suites: Sequence[str], builds: Sequence[str]
+) -> List[Rec]:
+    """``[(block record, rows)]`` as records in page order: suite, then build (unknown names
+    last, by name), then the newest block first; each block record before its own rows."""
+
+    def rank(order: Sequence[str], name: str) -> Tuple[int, str]:
+        return (order.index(name) if name in order else len(order), name)
+
+    by_date = sorted(runs, key=lambda hr: str(hr[0].get("date") or ""), reverse=True)
+    ordered = sorted(by_date, key=lambda hr: (rank(suites, hr[0]["suite"]), rank(builds, hr[0]["build"])))  # fmt: skip
+    return [r for h, rs in ordered for r in (h, *rs)]
 
 
 def code_commit(root: Path = ROOT) -> str:
@@ -223,6 +313,18 @@ def table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> List[str]:
 def commit_cell(h: Rec) -> str:
     c = h.get("commit") or "-"
     return f"{c} (inferred)" if h.get("commit_inferred") else c
+
+
+def gpu_short(head: Rec) -> str:
+    """``NVIDIA H100 80GB HBM3`` -> ``H100``; ``2x H100`` for two."""
+    name = re.sub(r"^NVIDIA\s+", "", str(head.get("gpu") or "GPU")).split()[0]
+    n = head.get("gpu_count") or 1
+    return f"{n}x {name}" if n > 1 else name
+
+
+def run_cell(head: Rec) -> str:
+    """A block's run, compact, for a table's row: ``2026-12-07 H200 fd9fc6f``."""
+    return f"{day(head.get('date'))} {gpu_short(head)} {commit_cell(head)}"
 
 
 # ----------------------------------------------------------------------------- compatibility

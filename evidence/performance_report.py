@@ -4,8 +4,10 @@
 
 ``collect`` turns the JSON files the benchmarks wrote (``bench_step.py``,
 ``bench_postpass.py``, ``fallback_cost.py``, ``startup_cudnn.py``, any build) into a file of
-the blocks that run measured; ``merge`` puts such a file into the data file, replacing only
-the (build, benchmark) blocks it holds; ``render`` writes the page and figures;
+the blocks that run measured; ``merge`` puts such a file into the data file row by row: a
+row replaces only the earlier row of its build, benchmark and row key (``row_key``), and
+every row it did not measure again stays, in its own run's block with that run's date,
+commit, GPU and stack; ``render`` writes the page (each row with its run) and figures;
 ``render --check`` fails when the committed page is not what the data gives.
 
     python3 evidence/performance_report.py collect RAW.json... [--run CMD] -o RUN.jsonl
@@ -19,7 +21,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import evidence_common as ev
@@ -58,26 +60,95 @@ def collect(paths: List[Path], run: str, commit: str) -> List[Rec]:
     out: List[Rec] = []
     for p in paths:
         out += blocks_of(json.loads(p.read_text()), run, commit)
-    return ev.compact(ev.sort_blocks(out, ORDER, BUILDS))
+    return ev.compact(ev.sort_runs(ev.split_blocks(out), ORDER, BUILDS))
+
+
+def row_key(bench: str, row: Rec) -> Hashable:
+    """What one row of a benchmark measured, the same from run to run: a new run's row
+    replaces the earlier row of its build with the same key. None for a benchmark not named
+    here: a new block of it replaces the earlier ones whole."""
+    if bench == "step":
+        return row.get("tokens"), row.get("offsets"), row.get("mode", "synced")
+    if bench == "postpass":
+        return (row.get("name"),)
+    if bench == "fallback":
+        return row.get("workload") or row.get("tokens"), row.get("variant")
+    if bench == "startup":
+        return (row.get("module"),)
+    return None
 
 
 def merge(old: List[Rec], new: List[Rec]) -> List[Rec]:
-    return ev.merge(old, new, ORDER, BUILDS)
+    return ev.merge_rows(old, new, lambda r: row_key(r["suite"], r), ORDER, BUILDS)
 
 
 def documents(recs: List[Rec]) -> List[Rec]:
     """The blocks as the benchmarks wrote them (their record's fields, the rows under the
-    benchmark's own name), each with its ``head``."""
-    docs: Dict[Tuple[str, str], Rec] = {}
-    for r in recs:
-        k = ev.key(r)
-        if r["kind"] == ev.BLOCK:
-            docs[k] = {**(r.get("params") or {}), "bench": r["suite"], "build": r["build"],
-                       "head": r, ROWS.get(r["suite"], "rows"): []}  # fmt: skip
-        else:
-            row = {x: v for x, v in r.items() if x not in ("kind", "build", "suite")}
-            docs[k][ROWS.get(r["suite"], "rows")].append(row)
-    return list(docs.values())
+    benchmark's own name), each with its ``head``: one per block, several for a (build,
+    benchmark) whose rows come from several runs."""
+    docs: List[Rec] = []
+    for h, rows in ev.split_blocks(recs):
+        name = ROWS.get(h["suite"], "rows")
+        strip = ("kind", "build", "suite")
+        docs.append({**(h.get("params") or {}), "bench": h["suite"], "build": h["build"],
+                     "head": h, name: [{x: v for x, v in r.items() if x not in strip}
+                                       for r in rows]})  # fmt: skip
+    return docs
+
+
+# The fields that order a benchmark's rows on the page: numbers by value, names in the order
+# the runs measured them (the oldest run first).
+ROW_ORDER = {"step": ("tokens", "offsets", "mode"), "postpass": ("heads", "tokens"),
+             "fallback": ("tokens", "variant"), "startup": ("module",)}  # fmt: skip
+
+
+def in_order(docs: List[Rec], bench: str) -> List[Tuple[Rec, Rec]]:
+    """A benchmark's rows on the page, each with the block (run) it comes from, ``[(doc,
+    row)]``: by build, then in the benchmark's own order (``ROW_ORDER``), whichever run a
+    row comes from. Of two rows of one key (data not merged), the later run's."""
+    docs = [d for d in docs if d["bench"] == bench]
+    name = ROWS.get(bench, "rows")
+    oldest_first = sorted(docs, key=lambda d: str(d["head"].get("date") or ""))
+    fields = ROW_ORDER.get(bench, ())
+    seen: Dict[str, Dict[str, int]] = {f: {} for f in fields}
+    for d in oldest_first:
+        for r in d[name]:
+            for f in fields:
+                v = r.get(f)
+                if not isinstance(v, (int, float)):
+                    seen[f].setdefault(json.dumps(v), len(seen[f]))
+
+    def rank(r: Rec) -> Tuple[Any, ...]:
+        return tuple((0, v, 0) if isinstance(v := r.get(f), (int, float)) else
+                     (1, 0, seen[f][json.dumps(v)]) for f in fields)  # fmt: skip
+
+    out: List[Tuple[Rec, Rec]] = []
+    for build in dict.fromkeys(d["build"] for d in docs):
+        at: Dict[Hashable, Tuple[Rec, Rec]] = {}
+        for n, d in enumerate(x for x in oldest_first if x["build"] == build):
+            for i, r in enumerate(d[name]):
+                k = row_key(bench, r)
+                at[(None, n, i) if k is None else k] = (d, r)
+        out += sorted(at.values(), key=lambda dr: rank(dr[1]))
+    return out
+
+
+def merged_words(
+    before: List[Tuple[Rec, List[Rec]]], after: List[Tuple[Rec, List[Rec]]], new: List[Rec]
+) -> List[str]:
+    """What a merge did, a line per block of the run: its rows kept, and what became of the
+    earlier blocks of its (build, benchmark)."""
+    lines = []
+    left = {id(h): rs for h, rs in after}
+    for head, rows in ev.split_blocks(new):
+        k = ev.key(head)
+        mine = next((rs for h, rs in after if h == head), [])
+        text = f"{k[0]}/{k[1]}: {len(mine)} of {len(rows)} rows of this run"
+        for h, rs in before:
+            if ev.key(h) == k and h != head:
+                text += f"; {ev.run_cell(h)}: {len(left.get(id(h), []))} of {len(rs)} rows kept"
+        lines.append(text)
+    return lines
 
 
 # ----------------------------------------------------------------------------- render
@@ -131,10 +202,14 @@ def _header(docs: List[Rec]) -> List[str]:
         "On `system` (cuDNN < 9.18, affected) the wrapper runs its post-pass; on `pip` "
         "(cuDNN 9.19, measured clean at these head dims) it passes through.",
         "",
-        "Each benchmark and build keeps the results of its latest run, with that run's date, "
-        "GPU and the commit of the code measured: a new run replaces only the blocks it "
-        "measured again, so numbers from different runs sit side by side below and compare "
-        "within a run only. How the runs are made: on a GPU machine without network, "
+        "Each row keeps the result of its latest run, with that run's date, GPU, stack and "
+        "the commit of the code measured: a new run replaces only the rows it measured again "
+        "(the same build and benchmark, and the same tokens, offsets and mode of a training "
+        "step, workload of the post-pass, workload and variant of the fallback, module of the "
+        "start-up), and every other row stays with its own run. So rows of different runs "
+        "can sit side by side in one table, the last column (*run*: date, GPU, commit) naming "
+        "each row's; they compare within a run only, and a ratio within a row (x TE's) is to "
+        "its own run's reference. How the runs are made: on a GPU machine without network, "
         f"Transformer Engine (TE) {', '.join(te) or '?'} installed there from PyPI wheels "
         "carried in (the run scripts call that staged copy the *GPU kit*); the outputs of each "
         "command come back in one folder (`$OUT` in the scripts) and are merged into the data "
@@ -145,8 +220,9 @@ def _header(docs: List[Rec]) -> List[str]:
     ]
     rows = [[NAMES.get(d["bench"], d["bench"]), d["build"], day(d["head"].get("date")),
              ev.gpus_words(d["head"]), ev.commit_cell(d["head"]),
-             f"`{ev.strip_out(d['head'].get('command'))}`"] for d in docs]  # fmt: skip
-    L += _table(["benchmark", "build", "date", "GPU", "commit", "command"], rows)
+             f"`{ev.strip_out(d['head'].get('command'))}`",
+             str(len(d[ROWS.get(d["bench"], "rows")]))] for d in docs]  # fmt: skip
+    L += _table(["benchmark", "build", "date", "GPU", "commit", "command", "rows kept"], rows)
     runs: Dict[Tuple[str, str, str], List[str]] = {}
     for d in docs:
         h = d["head"]
@@ -201,29 +277,29 @@ def render(recs: List[Rec]) -> str:
         *_measured(by["step"]),
     ]
     rows = []
-    for d in by["step"]:
-        for r in d["rows"]:
-            calls = r["calls_patched"]
-            did = (
-                "post-pass"
-                if calls.get("fixed")
-                else ("pass-through" if calls.get("calls") else "not called")
-            )
-            ci = r.get("added_us_ci95")
-            rows.append(
-                [
-                    d["build"],
-                    str(r["tokens"]),
-                    r.get("offsets", "-"),
-                    r.get("mode", "synced"),
-                    _fmt(r["step_ms"], " ms", 3),
-                    _fmt(r["added_us"], " us"),
-                    _fmt(r["added_pct"], "%", 2),
-                    f"{_fmt(ci[0])} .. {_fmt(ci[1])} us" if ci else "-",
-                    str(r.get("pairs", "-")),
-                    did,
-                ]
-            )
+    for d, r in in_order(docs, "step"):
+        calls = r["calls_patched"]
+        did = (
+            "post-pass"
+            if calls.get("fixed")
+            else ("pass-through" if calls.get("calls") else "not called")
+        )
+        ci = r.get("added_us_ci95")
+        rows.append(
+            [
+                d["build"],
+                str(r["tokens"]),
+                r.get("offsets", "-"),
+                r.get("mode", "synced"),
+                _fmt(r["step_ms"], " ms", 3),
+                _fmt(r["added_us"], " us"),
+                _fmt(r["added_pct"], "%", 2),
+                f"{_fmt(ci[0])} .. {_fmt(ci[1])} us" if ci else "-",
+                str(r.get("pairs", "-")),
+                did,
+                ev.run_cell(d["head"]),
+            ]
+        )
     L += (
         _table(
             [
@@ -237,6 +313,7 @@ def render(recs: List[Rec]) -> str:
                 "95% CI",
                 "pairs",
                 "wrapper",
+                "run",
             ],
             rows,
         )
@@ -256,24 +333,24 @@ def render(recs: List[Rec]) -> str:
         *_measured(by["postpass"]),
     ]
     rows = []
-    for d in by["postpass"]:
-        for w in d["workloads"]:
-            dev = w["device_us"]
-            bound_us = w["bytes_to_write"] / d["copy_GBps"] / 1e3
-            rows.append(
-                [
-                    d["build"],
-                    w["name"],
-                    str(w["tokens"]),
-                    w["heads"],
-                    _fmt(dev["bwd"] / 1e3, " ms", 2),
-                    _fmt(dev["postpass_triton"], " us"),
-                    _fmt(100 * dev["postpass_triton"] / dev["bwd"], "%", 2),
-                    _fmt(dev.get("postpass_torch"), " us"),
-                    _fmt(w["bytes_to_write"] / 1e6, " MB"),
-                    _fmt(dev["postpass_triton"] / bound_us, "x", 2),
-                ]
-            )
+    for d, w in in_order(docs, "postpass"):
+        dev = w["device_us"]
+        bound_us = w["bytes_to_write"] / d["copy_GBps"] / 1e3
+        rows.append(
+            [
+                d["build"],
+                w["name"],
+                str(w["tokens"]),
+                w["heads"],
+                _fmt(dev["bwd"] / 1e3, " ms", 2),
+                _fmt(dev["postpass_triton"], " us"),
+                _fmt(100 * dev["postpass_triton"] / dev["bwd"], "%", 2),
+                _fmt(dev.get("postpass_torch"), " us"),
+                _fmt(w["bytes_to_write"] / 1e6, " MB"),
+                _fmt(dev["postpass_triton"] / bound_us, "x", 2),
+                ev.run_cell(d["head"]),
+            ]
+        )
     L += (
         _table(
             [
@@ -287,6 +364,7 @@ def render(recs: List[Rec]) -> str:
                 "post-pass (PyTorch)",
                 "zeros",
                 "/ write bound",
+                "run",
             ],
             rows,
         )
@@ -306,30 +384,27 @@ def render(recs: List[Rec]) -> str:
         "",
     ]
     rows = []
-    launched = all("launch" in w["host_us"] for d in by["postpass"] for w in d["workloads"])
-    for d in by["postpass"]:
-        for w in d["workloads"]:
-            h = w["host_us"]
-            ok = {
-                m: (
-                    ""
-                    if (h["did"][m].get("fixed") == (m == "postpass"))
-                    else " (mode check failed)"
-                )
-                for m in ("postpass", "passthrough")
-            }
-            rows.append(
-                [
-                    d["build"],
-                    w["name"],
-                    _fmt(h["stub"], " us"),
-                    "+" + _fmt(h["postpass"], " us") + ok["postpass"],
-                    *([_fmt(h["launch"], " us")] if launched else []),
-                    "+" + _fmt(h["passthrough"], " us") + ok["passthrough"],
-                    w["passthrough_via"],
-                ]
-            )
-    head = ["build", "workload", "stub", "post-pass", "pass-through", "pass-through via"]
+    # where some runs timed the launch alone: "-" in the rows of the others
+    launched = any("launch" in w["host_us"] for _, w in in_order(docs, "postpass"))
+    for d, w in in_order(docs, "postpass"):
+        h = w["host_us"]
+        ok = {
+            m: ("" if (h["did"][m].get("fixed") == (m == "postpass")) else " (mode check failed)")
+            for m in ("postpass", "passthrough")
+        }
+        rows.append(
+            [
+                d["build"],
+                w["name"],
+                _fmt(h["stub"], " us"),
+                "+" + _fmt(h["postpass"], " us") + ok["postpass"],
+                *([_fmt(h.get("launch"), " us")] if launched else []),
+                "+" + _fmt(h["passthrough"], " us") + ok["passthrough"],
+                w["passthrough_via"],
+                ev.run_cell(d["head"]),
+            ]
+        )
+    head = ["build", "workload", "stub", "post-pass", "pass-through", "pass-through via", "run"]
     if launched and rows:
         head.insert(4, "of it, Triton's launch")
     L += _table(head, rows) if rows else _missing(RUN)
@@ -355,21 +430,23 @@ def render(recs: List[Rec]) -> str:
         "recomputed, for statistics of an unknown layout. CUDA events, medians over rounds in "
         "which the variants take turns (`benchmarks/fallback_cost.py`): *synced* is one call "
         "then a sync (the host's time before the first kernel counts), *back to back* a block "
-        "of calls (the host's time hidden, as in a step where the GPU is the bottleneck).",
+        "of calls (the host's time hidden, as in a step where the GPU is the bottleneck). "
+        "Each row's x TE's is its time over the `te` row of its own run (the benchmark "
+        "stores it), so a variant measured again keeps the ratio to the `te` it ran beside.",
         "",
         *_measured(by["fallback"]),
     ]
     rows = []
-    for d in by["fallback"]:
-        for r in d["rows"]:
-            cells: List[str] = []
-            for mode in ("synced", "back-to-back"):
-                ms, x = (r.get("ms") or {}).get(mode), (r.get("x_te") or {}).get(mode)
-                cells += [r.get("error") or _fmt(ms, " ms", 3), _fmt(x, "x", 2)]
-            repeatable = {True: "yes", False: "NO"}.get(r.get("bitwise_repeatable"), "-")
-            rows.append([d["build"], r["workload"], r["variant"], *cells, repeatable])
+    for d, r in in_order(docs, "fallback"):
+        cells: List[str] = []
+        for mode in ("synced", "back-to-back"):
+            ms, x = (r.get("ms") or {}).get(mode), (r.get("x_te") or {}).get(mode)
+            cells += [r.get("error") or _fmt(ms, " ms", 3), _fmt(x, "x", 2)]
+        repeatable = {True: "yes", False: "NO"}.get(r.get("bitwise_repeatable"), "-")
+        rows.append([d["build"], r["workload"], r["variant"], *cells, repeatable,
+                     ev.run_cell(d["head"])])  # fmt: skip
     head = ["build", "tokens", "backward", "synced", "x TE's", "back to back", "x TE's"]
-    L += _table([*head, "bitwise repeatable"], rows) if rows else _missing(RUN)
+    L += _table([*head, "bitwise repeatable", "run"], rows) if rows else _missing(RUN)
     if rows:
         L += [
             "![The fallback's time as a multiple of TE's backward against tokens, per variant]"
@@ -387,23 +464,23 @@ def render(recs: List[Rec]) -> str:
         *_measured(by["startup"]),
     ]
     rows = []
-    for d in by["startup"]:
-        for r in d["rows"]:
-            te = {k: _cudnn(v) for k, v in (r.get("te_cudnn") or {}).items()}
-            for what in ("import", "process"):
-                t = r[what]
-                rows.append(
-                    [
-                        f"`import {r['module']}`",
-                        what,
-                        _fmt(t["unset"], " ms", 0),
-                        _fmt(t["auto"], " ms", 0),
-                        _fmt(t["added"], " ms", 0),
-                        f"{te.get('unset', '-')} -> {te.get('auto', '-')}",
-                    ]
-                )
+    for d, r in in_order(docs, "startup"):
+        te = {k: _cudnn(v) for k, v in (r.get("te_cudnn") or {}).items()}
+        for what in ("import", "process"):
+            t = r[what]
+            rows.append(
+                [
+                    f"`import {r['module']}`",
+                    what,
+                    _fmt(t["unset"], " ms", 0),
+                    _fmt(t["auto"], " ms", 0),
+                    _fmt(t["added"], " ms", 0),
+                    f"{te.get('unset', '-')} -> {te.get('auto', '-')}",
+                    ev.run_cell(d["head"]),
+                ]
+            )
     L += (
-        _table(["import", "timed", "unset", "auto", "added", "cuDNN TE runs"], rows)
+        _table(["import", "timed", "unset", "auto", "added", "cuDNN TE runs", "run"], rows)
         if rows
         else _missing(RUN)
     )
@@ -423,8 +500,8 @@ def render(recs: List[Rec]) -> str:
         "# GPU machine, repository root, TE installed as above; PARTS=... and BUILDS=... pick",
         "# what runs (see the script). Writes $OUT/performance.jsonl: the blocks this run measured.",
         RUN,
-        "# CPU machine, with that file back: replace those (build, benchmark) blocks, keep the",
-        "# rest, then write this page and docs/figures/performance-*.svg.",
+        "# CPU machine, with that file back: replace the rows it measured again (each keeps",
+        "# its run), keep the rest, then write this page and docs/figures/performance-*.svg.",
         "python3 evidence/performance_report.py merge $OUT/performance.jsonl",
         "python3 evidence/performance_report.py render",
         "python3 evidence/performance_report.py render --check    # the page is what the data gives",
@@ -454,6 +531,21 @@ def _tokens_axis(ax: Any, tokens: Sequence[int]) -> None:
     ax.set_xlabel("tokens")
 
 
+def _plotted(docs: List[Rec], bench: str) -> List[Tuple[Rec, List[Rec], bool]]:
+    """The blocks a figure draws, each with the rows the page shows of it (the latest of
+    each row key) and whether it is the latest block of its build (drawn with filled
+    markers; earlier runs' rows hollow). A line joins rows of one run only."""
+    shown = in_order(docs, bench)
+    out = []
+    for d in (d for d in docs if d["bench"] == bench):
+        rows = [r for e, r in shown if e is d]
+        if rows:
+            newest = all(str(e["head"].get("date") or "") <= str(d["head"].get("date") or "")
+                         for e, _ in shown if e["build"] == d["build"])  # fmt: skip
+            out.append((d, rows, newest))
+    return out
+
+
 def draw_figures(recs: List[Rec], folder: Path) -> List[Path]:
     """The performance page's figures, as SVG files in ``folder``; [] without matplotlib."""
     plt = ev.pyplot()
@@ -461,26 +553,30 @@ def draw_figures(recs: List[Rec], folder: Path) -> List[Path]:
         return []
     docs = documents(recs)
     out = []
-    post = [d for d in docs if d["bench"] == "postpass" and d["workloads"]]
+    post = _plotted(docs, "postpass")
     if post:
-        fig, (dev, host) = plt.subplots(1, 2, figsize=(10, 4.6))
+        n = sum(len({w["heads"] for w in ws}) for _, ws, _ in post)  # lines per panel: 2n
+        fig, (dev, host) = plt.subplots(1, 2, figsize=(10, 4.4 + 0.2 * n), layout="constrained")
         markers: Dict[str, str] = {}
-        tokens = [w["tokens"] for d in post for w in d["workloads"]]
-        for i, d in enumerate(post):
-            colour = f"C{i}"
-            for heads in dict.fromkeys(w["heads"] for w in d["workloads"]):
-                ws = sorted((w for w in d["workloads"] if w["heads"] == heads), key=lambda w: w["tokens"])  # fmt: skip
+        colours = {b: f"C{i}" for i, b in enumerate(dict.fromkeys(d["build"] for d, _, _ in post))}
+        several = len({id(d) for d, _, _ in post}) > len(colours)
+        tokens = [w["tokens"] for _, ws, _ in post for w in ws]
+        for d, rows, newest in post:
+            colour, face = colours[d["build"]], {} if newest else {"markerfacecolor": "none"}
+            for heads in dict.fromkeys(w["heads"] for w in rows):
+                ws = sorted((w for w in rows if w["heads"] == heads), key=lambda w: w["tokens"])
                 m = markers.setdefault(heads, "os^vD"[len(markers) % 5])
                 toks = [w["tokens"] for w in ws]
                 what = f"{heads}, {d['build']}"
+                what += f", {ev.run_cell(d['head'])}" if several else ""
                 dev.plot(toks, [w["device_us"]["postpass_triton"] for w in ws], color=colour,
-                         marker=m, label=f"Triton kernel, {what}")  # fmt: skip
+                         marker=m, label=f"Triton kernel, {what}", **face)  # fmt: skip
                 dev.plot(toks, [w["device_us"].get("postpass_torch") for w in ws], color=colour,
-                         marker=m, linestyle="--", label=f"PyTorch path, {what}")  # fmt: skip
+                         marker=m, linestyle="--", label=f"PyTorch path, {what}", **face)  # fmt: skip
                 host.plot(toks, [w["host_us"]["postpass"] for w in ws], color=colour, marker=m,
-                          label=f"with the post-pass, {what}")  # fmt: skip
+                          label=f"with the post-pass, {what}", **face)  # fmt: skip
                 host.plot(toks, [w["host_us"]["passthrough"] for w in ws], color=colour,
-                          marker=m, linestyle=":", label=f"pass-through, {what}")  # fmt: skip
+                          marker=m, linestyle=":", label=f"pass-through, {what}", **face)  # fmt: skip
         dev.set_yscale("log")
         dev.set_ylabel("device time (us)")
         dev.set_title("post-pass device time")
@@ -488,31 +584,39 @@ def draw_figures(recs: List[Rec], folder: Path) -> List[Path]:
         host.set_title("wrapper's host cost over TE's call")
         for ax in (dev, host):
             _tokens_axis(ax, tokens)
-            ax.legend(fontsize=6, loc="upper left")
-        fig.suptitle(_runs_title(post), fontsize=8)
-        fig.tight_layout()
+            ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.14))  # below
+        fig.suptitle(_runs_title([d for d, _, _ in post]), fontsize=8)
         out.append(ev.save(fig, folder / "performance-postpass.svg"))
-    fb = [d for d in docs if d["bench"] == "fallback" and d["rows"]]
+    fb = _plotted(docs, "fallback")
     if fb:
-        fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
-        tokens = [r["tokens"] for d in fb for r in d["rows"]]
+        n = sum(len({r["variant"] for r in rows}) for _, rows, _ in fb)  # legend entries
+        fig, axes = plt.subplots(
+            1, 2, figsize=(10, 4.0 + 0.07 * n), sharey=True, layout="constrained"
+        )
+        tokens = [r["tokens"] for _, rows, _ in fb for r in rows]
+        variants = list(dict.fromkeys(r["variant"] for _, rows, _ in fb for r in rows))
+        builds = list(dict.fromkeys(d["build"] for d, _, _ in fb))
+        several = len(fb) > len(builds)
         for ax, mode in zip(axes, ("synced", "back-to-back")):
-            for i, d in enumerate(fb):
-                variants = list(dict.fromkeys(r["variant"] for r in d["rows"]))
-                for j, v in enumerate(variants):
-                    pts = sorted((r["tokens"], (r.get("x_te") or {}).get(mode)) for r in d["rows"]
+            for d, rows, newest in fb:
+                face = {} if newest else {"markerfacecolor": "none"}
+                for v in dict.fromkeys(r["variant"] for r in rows):
+                    j = variants.index(v)
+                    pts = sorted((r["tokens"], (r.get("x_te") or {}).get(mode)) for r in rows
                                  if r["variant"] == v and (r.get("x_te") or {}).get(mode) is not None)  # fmt: skip
+                    label = v + (f" ({d['build']})" if len(builds) > 1 else "")
+                    label += f", {ev.run_cell(d['head'])}" if several else ""
                     if pts:
                         ax.plot(*zip(*pts), marker="os^vD<>p"[j % 8], color=f"C{j}",
-                                linestyle=["-", "--", ":"][i % 3],
-                                label=v + (f" ({d['build']})" if len(fb) > 1 else ""))  # fmt: skip
+                                linestyle=["-", "--", ":"][builds.index(d["build"]) % 3],
+                                label=label, **face)  # fmt: skip
             _tokens_axis(ax, tokens)
             ax.set_title(f"{mode}: time / TE's backward")
             ax.axhline(1.0, color="black", linewidth=0.8)
         axes[0].set_ylabel("x TE's backward (deterministic=False)")
-        axes[0].legend(fontsize=6, loc="upper left")
-        fig.suptitle(_runs_title(fb), fontsize=8)
-        fig.tight_layout()
+        handles, labels = axes[0].get_legend_handles_labels()  # both panels plot the same
+        fig.legend(handles, labels, fontsize=6, loc="outside lower center", ncol=3)  # below
+        fig.suptitle(_runs_title([d for d, _, _ in fb]), fontsize=8)
         out.append(ev.save(fig, folder / "performance-fallback.svg"))
     return out
 
@@ -552,8 +656,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         recs = ev.read_jsonl(a.into)
         for p in a.run:
             new = ev.read_jsonl(p)
+            before = ev.split_blocks(recs)
             recs = merge(recs, new)
-            print(f"{p}: replaced " + ", ".join(f"{b}/{s}" for b, s in ev.blocks(new)))
+            for line in merged_words(before, ev.split_blocks(recs), new):
+                print(f"{p}: {line}")
         ev.write_jsonl(recs, a.into)
         return 0
     if a.check:

@@ -9,7 +9,7 @@
 # Raw outputs stay in /tmp between commands on one warm machine, so a run may be split.
 # Brings back $OUT/performance.jsonl: the (build, benchmark) blocks this run measured, each
 # with its date, commit, GPU and stack. Merge it into docs/data/performance.jsonl on the CPU
-# side (it replaces those blocks only; every other benchmark and build keeps its own run):
+# side (it replaces the rows it measured again only; every other row keeps its own run):
 #   python3 evidence/performance_report.py merge performance.jsonl
 #   python3 evidence/performance_report.py render
 # $OUT/performance.md is this run alone, rendered for a first look (not for committing).

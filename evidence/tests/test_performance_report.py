@@ -1,6 +1,7 @@
 """docs/performance.md is what evidence/performance_report.py renders from
-docs/data/performance.jsonl; a run's blocks replace only the (build, benchmark) blocks it
-measured, each block keeping its own date, commit and GPU; the figures draw (CPU only)."""
+docs/data/performance.jsonl; a run replaces only the rows it measured again (build,
+benchmark and row key), every other row keeping its own run's date, commit, GPU and stack,
+and the page names each row's run; the figures draw (CPU only)."""
 
 from __future__ import annotations
 
@@ -157,3 +158,157 @@ def test_figures_draw_from_a_small_sample(tmp_path: Path) -> None:
     again = pr.draw_figures(recs, tmp_path / "b")
     assert [p.read_bytes() for p in again] == [p.read_bytes() for p in first]
     assert pr.draw_figures([], tmp_path / "c") == []
+
+
+# ----------------------------------------------------------------------------- rows by run
+
+H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+
+
+def _steps(added: float, tokens=(2048, 8192, 32768), offsets=("one", "two"),
+           modes=("synced", "back-to-back")) -> List[Dict[str, Any]]:  # fmt: skip
+    return [{**_step(t, added), "offsets": o, "mode": m}
+            for t in tokens for o in offsets for m in modes]  # fmt: skip
+
+
+def _merged(tmp_path: Path, old: List[Dict[str, Any]], *docs: Dict[str, Any],
+            commit: str = "bbbbbbb") -> List[Dict[str, Any]]:  # fmt: skip
+    """``old`` as the data file, ``docs`` collected as one run and merged into it (CLI)."""
+    data, run = tmp_path / "performance.jsonl", tmp_path / "run.jsonl"
+    ev.write_jsonl(old, data)
+    raws = []
+    for i, doc in enumerate(docs):
+        raws.append(tmp_path / f"raw-{i}.json")
+        raws[-1].write_text(json.dumps(doc))
+    assert pr.main(["collect", *map(str, raws), "--commit", commit, "-o", str(run)]) == 0
+    assert pr.main(["merge", str(run), "--into", str(data)]) == 0
+    return ev.read_jsonl(data)
+
+
+def _section(page: str, title: str) -> str:
+    return page.split(f"## {title}")[1].split("\n## ")[0]
+
+
+def test_a_partial_run_replaces_exactly_the_rows_it_measured_again(tmp_path: Path) -> None:
+    old = _blocks(_doc("step", "system", H100, "2026-12-06T04:00:00", _steps(30.0)), "aaaaaaa")
+    new = _doc("step", "system", H200, "2026-12-07T06:00:00",
+               _steps(60.0, tokens=(2048, 8192), modes=("back-to-back",)))  # fmt: skip
+    merged = _merged(tmp_path, old, new)
+    ev.check_blocks(merged, one_per_key=False)
+    (h_new, rows_new), (h_old, rows_old) = ev.split_blocks(merged)  # newest first
+    assert [h_new[k] for k in ("commit", "gpu", "date")] == ["bbbbbbb", H200, "2026-12-07T06:00:00"]  # fmt: skip
+    assert h_old == old[0]  # the earlier run's date, commit, GPU and stack, as they were
+    key = lambda r: (r["tokens"], r["offsets"], r["mode"])  # noqa: E731
+    assert sorted(map(key, rows_new)) == [(t, o, "back-to-back") for t in (2048, 8192) for o in ("one", "two")]  # fmt: skip
+    assert {r["added_us"] for r in rows_new} == {60.0}
+    kept = sorted(map(key, rows_old))
+    assert kept == sorted(key(r) for r in old[1:] if key(r) not in set(map(key, rows_new)))
+    assert len(kept) == 8 and {r["added_us"] for r in rows_old} == {30.0}
+
+    step = _section(pr.render(merged), "Training step")
+    lines = [ln for ln in step.splitlines() if ln.startswith("| system |")]
+    # the benchmark's own order, whichever run each row comes from
+    assert [ln.split(" | ")[1:4] for ln in lines] == [
+        [str(t), o, m] for t in (2048, 8192, 32768) for o in ("one", "two") for m in ("synced", "back-to-back")
+    ]  # fmt: skip
+    assert "| system | 2048 | one | synced | 1.000 ms | 30.0 us |" in step
+    for ln in lines:
+        run = "2026-12-07 H200 bbbbbbb" if "back-to-back" in ln and "32768" not in ln else "2026-12-06 H100 aaaaaaa"  # fmt: skip
+        assert ln.endswith(f" | {run} |"), ln
+    assert f"`system` on one {H200}, 2026-12-07, commit bbbbbbb" in step
+    assert f"`system` on one {H100}, 2026-12-06, commit aaaaaaa" in step
+    runs = _section(pr.render(merged), "Runs")
+    assert f"| training step | system | 2026-12-07 | one {H200} | bbbbbbb |" in runs
+    assert f"| training step | system | 2026-12-06 | one {H100} | aaaaaaa |" in runs
+    assert [ln.rsplit(" | ", 1)[1] for ln in runs.splitlines() if "| training step |" in ln] == ["4 |", "8 |"]  # fmt: skip
+
+    # a run that measures the rest again leaves the first run with no rows: its block goes
+    rest = _doc("step", "system", H200, "2026-12-08T06:00:00",
+                [*_steps(90.0, tokens=(2048, 8192), modes=("synced",)), *_steps(90.0, tokens=(32768,))])  # fmt: skip
+    again = _merged(tmp_path, merged, rest, commit="ccccccc")
+    assert [(h["commit"], len(rs)) for h, rs in ev.split_blocks(again)] == [("ccccccc", 8), ("bbbbbbb", 4)]  # fmt: skip
+
+
+def test_merging_the_same_run_twice_changes_nothing(tmp_path: Path) -> None:
+    old = [
+        *_blocks(_doc("step", "system", H100, "2026-12-06T04:00:00", _steps(30.0)), "aaaaaaa"),
+        *_blocks(_doc("fallback", "pip", H100, "2026-12-06T05:00:00", _fallback(8192) + _fallback(32768)), "aaaaaaa"),
+    ]  # fmt: skip
+    run = [
+        *_blocks(_doc("step", "system", H200, "2026-12-07T06:00:00", _steps(60.0, tokens=(2048,))), "bbbbbbb"),
+        *_blocks(_doc("fallback", "pip", H200, "2026-12-07T07:00:00", _fallback(8192)), "bbbbbbb"),
+    ]  # fmt: skip
+    once = pr.merge(old, run)
+    assert pr.merge(once, run) == once
+    assert pr.merge(pr.merge(once, run), run) == once
+    assert pr.render(pr.merge(once, run)) == pr.render(once)
+    data = tmp_path / "performance.jsonl"
+    ev.write_jsonl(once, data)
+    (tmp_path / "run.jsonl").write_text("".join(json.dumps(r) + "\n" for r in run))
+    before = data.read_bytes()
+    assert pr.main(["merge", str(tmp_path / "run.jsonl"), "--into", str(data)]) == 0
+    assert data.read_bytes() == before
+
+
+def test_an_earlier_run_merged_late_does_not_replace_later_rows() -> None:
+    newer = _blocks(_doc("step", "pip", H200, "2026-12-07T06:00:00", _steps(60.0, tokens=(2048,))), "b")  # fmt: skip
+    older = _blocks(_doc("step", "pip", H100, "2026-12-06T04:00:00", _steps(30.0)), "a")
+    merged = pr.merge(newer, older)
+    (h1, r1), (h2, r2) = ev.split_blocks(merged)
+    assert (h1["commit"], len(r1), h2["commit"], len(r2)) == ("b", 4, "a", 8)
+    assert {r["tokens"] for r in r2} == {8192, 32768}
+
+
+def test_each_row_of_every_table_names_its_run_and_ratios_stay_within_their_run(tmp_path: Path) -> None:  # fmt: skip
+    unlaunched = [_postpass(8192), _postpass(131072)]
+    for w in unlaunched:
+        del w["host_us"]["launch"]  # the earlier run did not time the launch alone
+    old = [
+        *_blocks(_doc("postpass", "system", H100, "2026-12-06T04:00:00", unlaunched,
+                      copy_GBps=3000.0), "aaaaaaa"),
+        *_blocks(_doc("fallback", "pip", H100, "2026-12-06T05:00:00",
+                      _fallback(8192) + _fallback(32768)), "aaaaaaa"),
+        *_blocks(_doc("startup", "system", H100, "2026-12-06T06:00:00",
+                      [{"module": "torch", "import": {"unset": 1.0, "auto": 2.0, "added": 1.0},
+                        "process": {"unset": 1.0, "auto": 2.0, "added": 1.0}}]), "aaaaaaa"),
+    ]  # fmt: skip
+    # the new run: 8K only, TE's backward slower, the fallback's ratio to it 1.1x
+    fb = [{**r, "ms": {m: 2 * x for m, x in r["ms"].items()},
+           "x_te": {m: (1.1 if r["variant"] == "fallback" else x) for m, x in r["x_te"].items()}}
+          for r in _fallback(8192)]  # fmt: skip
+    merged = _merged(
+        tmp_path, old,
+        _doc("postpass", "system", H200, "2026-12-07T06:00:00", [_postpass(8192)], copy_GBps=4000.0),
+        _doc("fallback", "pip", H200, "2026-12-07T07:00:00", fb),
+    )  # fmt: skip
+    page = pr.render(merged)
+    new, was = "2026-12-07 H200 bbbbbbb", "2026-12-06 H100 aaaaaaa"
+    fallback = _section(page, "The exact fallback")
+    assert f"| pip | 8k | te | 2.000 ms | 1.00x | 2.000 ms | 1.00x | - | {new} |" in fallback
+    assert f"| pip | 8k | fallback | 2.600 ms | 1.10x | 2.600 ms | 1.10x | - | {new} |" in fallback
+    # 32K: the earlier run's rows and ratios, to the `te` row of that run
+    assert f"| pip | 32k | te | 1.000 ms | 1.00x | 1.000 ms | 1.00x | - | {was} |" in fallback
+    assert f"| pip | 32k | fallback | 1.300 ms | 1.30x | 1.300 ms | 1.30x | - | {was} |" in fallback
+    device = _section(page, "Post-pass device time")
+    # the write bound of each row is over the copy bandwidth its own run measured
+    assert f"| system | llama8b-8k | 8192 | 32/8 | 1.02 ms | 16.4 us | 1.60% | 409.6 us | 34.6 MB | 1.89x | {new} |" in device  # fmt: skip
+    assert f"| system | llama8b-128k | 131072 | 32/8 | 16.38 ms | 262.1 us | 1.60% | 6554.0 us | 553.8 MB | 1.42x | {was} |" in device  # fmt: skip
+    host = _section(page, "Host time of the wrapper")
+    assert f"| system | llama8b-8k | 0.5 us | +17.0 us | 7.5 us | +1.2 us | TE_GQA_FIX=off | {new} |" in host  # fmt: skip
+    assert f"| system | llama8b-128k | 0.5 us | +17.0 us | - | +1.2 us | TE_GQA_FIX=off | {was} |" in host  # fmt: skip
+    assert f"| `import torch` | import | 1 ms | 2 ms | 1 ms | - -> - | {was} |" in page
+    runs = _section(page, "Runs")
+    assert len([ln for ln in runs.splitlines() if ln.startswith("| post-pass | system |")]) == 2
+    assert len([ln for ln in runs.splitlines() if ln.startswith("| exact fallback | pip |")]) == 2
+
+
+def test_figures_draw_each_row_once_from_several_runs(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    old = _blocks(_doc("fallback", "pip", H100, "2026-12-06T05:00:00", _fallback(8192) + _fallback(32768)), "aaaaaaa")  # fmt: skip
+    merged = pr.merge(old, _blocks(_doc("fallback", "pip", H200, "2026-12-07T07:00:00", _fallback(8192)), "bbbbbbb"))  # fmt: skip
+    (fig,) = pr.draw_figures(merged, tmp_path)
+    text = fig.read_text()
+    assert "commit bbbbbbb" in text and "commit aaaaaaa" in text
+    assert (
+        "fallback, 2026-12-07 H200 bbbbbbb" in text and "fallback, 2026-12-06 H100 aaaaaaa" in text
+    )
