@@ -39,7 +39,7 @@
 # cudnnGetVersion: all exported by libcudnn_graph) through the shim libcudnn.so.9, which dlopens
 # the sub-library of a function when it is first called. libcudnn_graph in turn dlopens the
 # engine libraries by name: engines_precompiled, engines_runtime_compiled (the NVRTC-built
-# SDPA/fMHA engines), engines_tensor_ir (9.22 on; it holds a cudnnTensorIrSdpaEngine, an SDPA
+# SDPA/fMHA engines), engines_tensor_ir (9.21 on; it holds a cudnnTensorIrSdpaEngine, an SDPA
 # engine with SM90 code paths) and heuristic (the ranking the frontend's heuristics query) --
 # all kept: dropping any could change which engine TE runs.
 # Dropped, because nothing on that path can reach them: the engine libraries' undefined
@@ -334,21 +334,35 @@ def plan(shorts=()):
     missing = [s for s in shorts if s not in kits]
     if missing:
         die(f"no kit for {' '.join(missing)} under {KIT}/ (pack it first)")
-    items = [(p["size"], f"{KIT}/{s}/{p['folder']}") for s in shorts for p in kits[s]["parts"]]
+    items = [(p["size"], s, f"{KIT}/{s}/{p['folder']}") for s in shorts for p in kits[s]["parts"]]
     bins = []  # first fit, largest first: a kit's last part rides along with another's
-    for size, path in sorted(items, key=lambda x: -x[0]):
+    for size, short, path in sorted(items, key=lambda x: -x[0]):
         for b in bins:
-            if b[0] + size <= PART and len(b[1]) < MAX_CARRY:
-                b[0] += size
-                b[1].append(path)
+            if b["size"] + size <= PART and len(b["carry"]) < MAX_CARRY:
                 break
         else:
-            bins.append([size, [path]])
+            b = {"size": 0, "carry": [], "kits": set()}
+            bins.append(b)
+        b["size"] += size
+        b["carry"].append(path)
+        b["kits"].add(short)
+    # In kit order, so each kit is whole as early as it can be: its own parts, then the
+    # command its last part shares.
+    order = []
+    for s in shorts:
+        mine = [b for b in bins if s in b["kits"] and b not in order]
+        order += sorted(mine, key=lambda b: len(b["kits"]))
     counts = ", ".join(f"cuDNN {s} = {len(kits[s]['parts'])} parts" for s in shorts)
     say(f"\nstaging ({counts}): {len(bins)} commands, each `bash evidence/cudnn_kit.sh stage` "
         "from the repository root, carrying:")
-    for n, (size, paths) in enumerate(bins, 1):
-        say(f"  {n}. {mib(size):>9}  carry {json.dumps(sorted(paths))}")
+    done = set()
+    for n, b in enumerate(order, 1):
+        done |= {s for s in b["kits"] if all(
+            any(f"{KIT}/{s}/{p['folder']}" in c["carry"] for c in order[:n])
+            for p in kits[s]["parts"])}
+        whole = [s for s in shorts if s in done and s in b["kits"]]
+        say(f"  {n}. {mib(b['size']):>9}  carry {json.dumps(sorted(b['carry']))}"
+            + (f"  -> cuDNN {', '.join(whole)} ready" if whole else ""))
     for s in shorts:
         refused = tuple(map(int, s.split(".")[:2])) < (9, 18)
         say(f"  then cuDNN {s} is TE_GQA_FIX_CUDNN=strict:/tmp/cudnn-{s}/nvidia/cudnn, "
