@@ -33,11 +33,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 import te_gqa_fix
+from fakes.cuda_metadata import OnCuda
 from fakes.oracle import KNOWN, Ragged, assert_rows, bits, expected_keep
 from fakes.te_outputs import FakeFloat8, FakeTE, assert_untouched, call_arguments
 from te_gqa_fix import InputError, OffsetsError, dead_row_masks, zero_dead_rows
@@ -191,8 +191,7 @@ def _one_element(a: Dict[str, Any]) -> None:
     a.update(cu_seqlens_kv=_t([0, 1, 1, 1]), cu_seqlens_kv_padded=None, dk=one, dv=one)
 
 
-with FakeTensorMode():  # offsets on a CUDA device, without a GPU: only metadata is read
-    _CUDA_OFFSETS = torch.empty(4, dtype=I32, device="cuda")
+_CUDA_OFFSETS = OnCuda((4,), I32)  # offsets on a CUDA device, without a GPU: metadata only
 
 
 class _AllocatorLimit(TorchDispatchMode):
