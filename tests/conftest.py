@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Iterator, List, Optional
 
 import pytest
+import torch
 
 import te_gqa_fix
 from te_gqa_fix import _logging, patch, postpass, settings, wrapper
@@ -26,6 +27,11 @@ if _HERE not in sys.path:  # ``fakes`` is imported by name (also from the fake T
     sys.path.insert(0, _HERE)
 
 from fakes import background, te_package  # noqa: E402
+
+# One intra-op thread: the tests' tensors are small, and the background jobs (below) and
+# other processes hold the other core, so torch's pool of one thread a core made every
+# small op wait for a descheduled thread (a softmax of 4 x 9 x 9: 3 us alone, 8 ms so).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import List
+from typing import Dict, Iterator, List
 
 import pytest
 
@@ -82,24 +82,45 @@ def test_a_job_ends_every_process_it_started(tmp_path: Path) -> None:
         f.close()
 
 
+HOWS = {"ctrl-c": signal.SIGINT, "sigterm": signal.SIGTERM, "sigkill": signal.SIGKILL}
+
+
+@pytest.fixture(scope="module")
+def sessions(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dict[str, tuple]]:
+    """One session a way of ending it, all started at once (each starts four Pythons: the
+    session, the job's reaper, the job, its worker; side by side they are ready in the time
+    of one): ``{how: (session, pids)}``.
+    Whatever a test did not end is killed afterwards, and its worker with it."""
+    started = {}
+    try:
+        for how in HOWS:
+            folder = tmp_path_factory.mktemp(how)
+            started[how] = (folder, subprocess.Popen(
+                [sys.executable, "-c", SESSION, str(folder), str(TESTS), SPAWN],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            ))  # fmt: skip
+        ready = {}
+        for how, (folder, session) in started.items():
+            assert session.stdout is not None and session.stdout.readline() == "ready\n"
+            ready[how] = (session, _wait_for(folder / "pid"))
+        yield ready
+    finally:
+        for folder, session in started.values():
+            if session.poll() is None:
+                session.kill()
+            session.communicate()
+            if (folder / "pid").exists() and (folder / "pid").read_text():
+                for pid in _wait_for(folder / "pid"):
+                    _gone(pid)  # the worker (killed when it outlived its session)
+
+
 @needs_proc
-@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL],
-                         ids=["ctrl-c", "sigterm", "sigkill"])  # fmt: skip
-def test_an_interrupted_session_leaves_no_process(tmp_path: Path, how: int) -> None:
+@pytest.mark.parametrize("how", list(HOWS))
+def test_an_interrupted_session_leaves_no_process(sessions: Dict[str, tuple], how: str) -> None:
     """The process that started the job is interrupted (Ctrl-C, a timeout's SIGTERM) or
     killed outright: the job's worker goes too."""
-    session = subprocess.Popen(
-        [sys.executable, "-c", SESSION, str(tmp_path), str(TESTS), SPAWN],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert session.stdout is not None and session.stdout.readline() == "ready\n"
-        pids = _wait_for(tmp_path / "pid")
-        session.send_signal(how)
-        session.wait(timeout=30)
-    finally:
-        if session.poll() is None:
-            session.kill()
-        session.communicate()
+    session, pids = sessions[how]
+    session.send_signal(HOWS[how])
+    session.wait(timeout=30)
     ended = [_gone(pid) for pid in pids]  # each waited for (and killed when failing)
-    assert all(ended), f"the job outlived a session ended by {signal.Signals(how).name}"
+    assert all(ended), f"the job outlived a session ended by {HOWS[how].name}"

@@ -244,10 +244,11 @@ Q3, KV3 = ["--cu-seqlens-q", "0,3"], ["--cu-seqlens-kv", "0,3"]
 DEEP = "[" * 100_000  # before: RecursionError, exit 1
 
 #: plan's arguments (a dict or text: the JSON of --file), then what follows "error: " in
-#: its one line of stderr. Each exits 2 before any row-sized allocation.
+#: its one line of stderr. Each exits 2 before any row-sized allocation. These are plan's
+#: own parsing (flags and JSON); what the input gate refuses, plan refuses in the gate's
+#: words (the ..._own_gate test below; each message: tests/test_checks.py), so a row that
+#: reaches the gate names only the argument.
 REFUSED = [
-    # offsets the gate refuses (in its own words: the ..._own_gate test below)
-    ([*Q3, *KV3, "--rows-kv", "2"], "past the 2 kv rows"),
     # past int32 (before: a RuntimeError from torch, exit 1)
     (["--cu-seqlens-q", "0,2147483648", *KV3], "cu_seqlens_q: offset 2147483648 does not fit "
      "in int32"),
@@ -269,15 +270,13 @@ REFUSED = [
     ([*Q3, *KV3, "--rows-q", "1_0"], "rows_q: expected an integer, got '1_0'"),
     ([*Q3, *KV3, "--window", "1_0,0"], "window_size: expected comma-separated integers"),
     # the window (before: 2**64 was an OverflowError, exit 1; 2**63 - 1 wrapped around)
-    ([*Q3, *KV3, "--window", "18446744073709551616,0"], "window_size: expected None or (left, right), two integers from -1 to 2**31 - 1"),
-    ([*Q3, *KV3, "--window", "0,9223372036854775807"], "window_size: expected None or (left, right), two integers"),
-    ([*Q3, *KV3, "--window", "-2,0"], "window_size"),
-    ([*Q3, *KV3, "--mask", ""], "attn_mask_type: expected one of"),  # before: the default
+    ([*Q3, *KV3, "--window", "18446744073709551616,0"], "window_size: "),
+    ([*Q3, *KV3, "--window", "0,9223372036854775807"], "window_size: "),
+    ([*Q3, *KV3, "--mask", ""], "attn_mask_type: "),  # before: the default
     # negative offsets (before: argparse took "-1,0,3" for an option)
-    (["--cu-seqlens-q", "-1,0,3", "--cu-seqlens-kv", "0,3,9"], "cu_seqlens_q: expected offsets "
-     ">= 0"),
+    (["--cu-seqlens-q", "-1,0,3", "--cu-seqlens-kv", "0,3,9"], "cu_seqlens_q: "),
     (["--cu-seqlens-q", "0,0,3", "--cu-seqlens-kv", "0,3,9", "--padded-kv", "-2,4,12"],
-     "cu_seqlens_kv_padded: expected offsets >= 0"),
+     "cu_seqlens_kv_padded: "),
     # --file: JSON's own types, then the same checks
     ({"cu_seqlens_q": [0, True]}, "cu_seqlens_q: "),  # a JSON true is 1 in Python
     ({"bottom_right_diagonal": "false"}, "bottom_right_diagonal: expected true, false or null"),
@@ -285,9 +284,7 @@ REFUSED = [
     *[({k: v}, f"{k}: expected an integer, got {v!r}")
       for k, v in (("rows_q", "12"), ("rows_kv", 2.5), ("rows_kv", True))],
     ({"rows_kv": -1}, "rows_kv: expected a number of rows >= 0, got -1"),
-    ({"window_size": [-1]}, "window_size: expected None or (left, right)"),
-    ({"window_size": [-1, True]}, "window_size: expected None or (left, right)"),
-    ({"attn_mask_type": "padding_casual"}, "attn_mask_type: expected one of"),
+    ({"window_size": [-1, True]}, "window_size: "),  # a JSON true is no integer
     ({"cu_seqlens_kv_padded": [0, "4"]}, "cu_seqlens_kv_padded: expected a list of integers"),
     ({"cu_seqlens_q": None}, "cu_seqlens_q: expected a list of integers, got None"),
     ({"typo_field": 1}, "typo_field: unknown key"),
@@ -295,7 +292,7 @@ REFUSED = [
     ({"cu_seqlens_kv_padded": [False, 6]}, "cu_seqlens_kv_padded: "),
     ({"cu_seqlens_q": [0, 2**31]}, "cu_seqlens_q: offset 2147483648 does not fit in int32"),
     ({"rows_kv": 3000000000}, "rows_kv: expected at most"),
-    ({"window_size": [2**64, 0]}, "window_size: expected None or (left, right), two integers from -1 to 2**31 - 1"),
+    ({"window_size": [2**64, 0]}, "window_size: "),
     (DEEP, "--file: JSON nested too deeply"),
     ('{"cu_seqlens_q": ' + DEEP, "--file: JSON nested too deeply"),
 ]  # fmt: skip

@@ -29,8 +29,9 @@ from typing import Dict, List, Optional, Tuple
 
 import pytest
 
+from fakes import background
 from fakes import cudnn_builds as fb
-from fakes.interpreter import PTH, SRC, child_env, probed, run_code
+from fakes.interpreter import PTH, SRC, child_env, probed, python_command, run_code
 from te_gqa_fix import cudnn_route, rules
 from te_gqa_fix.errors import (
     CudnnAlreadyLoaded,
@@ -52,15 +53,10 @@ def _fresh_route():
     cudnn_route._reset_route()
 
 
-@pytest.fixture(scope="module")
-def builds(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
+def make_builds(base: Path) -> Dict[str, Path]:
     """Wheel sites: 9.14 by header (measured wrong: stale rows), 9.19 by metadata (measured
     right), 9.24 by header in TE's cu13 layout (not measured), one without a version; a
-    system build 9.14 with versioned file names. The tests that use them skip without a C
-    compiler."""
-    if fb.compiler() is None:
-        pytest.skip("needs a C compiler")
-    base = tmp_path_factory.mktemp("cudnn")
+    system build 9.14 with versioned file names."""
     out = {name: base / f"site_{name}" for name in ("old", "fixed", "unmeasured", "anon")}
     out["system"] = base / "sys"
     fb.wheel_build(out["old"], (9, 14, 0), how="header")
@@ -73,6 +69,14 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
     fb.wheel_build(out["anon"], (9, 21, 0), how="none")
     fb.system_build(out["system"], (9, 14, 0))
     return out
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
+    """:func:`make_builds`; the tests that use them skip without a C compiler."""
+    if fb.compiler() is None:
+        pytest.skip("needs a C compiler")
+    return make_builds(tmp_path_factory.mktemp("cudnn"))
 
 
 UNMEASURED_LAYOUT = "nvidia/cu13/cudnn/lib"
@@ -526,13 +530,17 @@ def test_parse_setting(value: Optional[str], expected: Tuple[Optional[str], bool
 # ----------------------------------------------------------------------------- loading
 
 
+def python_env(env: Dict[str, str]) -> Dict[str, str]:
+    """The environment of :func:`run_python`."""
+    first = env.pop("PYTHONPATH_FIRST", "")
+    return child_env(first, SRC, drop=("TE_GQA_FIX", "FAKE_TE"), **env)
+
+
 def run_python(code: str, env: Dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess:
     """``code`` in a fresh interpreter in ``tmp_path`` that processes no installed start-up
     file, ``src`` importable (after the paths of ``env["PYTHONPATH_FIRST"]``), no
     TE_GQA_FIX* or FAKE_TE* variable but ``env``'s."""
-    first = env.pop("PYTHONPATH_FIRST", "")
-    env = child_env(first, SRC, drop=("TE_GQA_FIX", "FAKE_TE"), **env)
-    return run_code(code, env, tmp_path, no_site=True)
+    return run_code(code, python_env(env), tmp_path, no_site=True)
 
 
 GLOBAL_VERSION = (
@@ -665,34 +673,71 @@ PROBE = (
     "maps=mapped(), route=route)))\n"
 )
 
-#: (TE_GQA_FIX_CUDNN, the wheel sites installed, TE_GQA_FIX_AUTOPATCH too) -> the cuDNN TE
-#: runs, whether the route warns that the post-pass stays on. "{unmeasured}": 9.24's folder.
+#: (TE_GQA_FIX_CUDNN, the wheel sites installed) -> the cuDNN TE runs, whether the route
+#: warns that the post-pass stays on. "{unmeasured}": 9.24's folder.
 AT_START_UP = [
-    ("auto", ("fixed", "unmeasured"), False, (9, 19, 0), False),
-    ("strict", ("fixed", "unmeasured"), False, (9, 19, 0), False),
-    ("enable", ("fixed", "unmeasured"), True, (9, 19, 0), False),
-    ("auto", ("unmeasured",), False, (9, 24, 0), True),
-    ("strict:{unmeasured}", ("unmeasured",), False, (9, 24, 0), True),
-    ("{unmeasured}", ("fixed", "unmeasured"), False, (9, 24, 0), True),
+    ("auto", ("fixed", "unmeasured"), (9, 19, 0), False),
+    ("strict", ("fixed", "unmeasured"), (9, 19, 0), False),
+    ("auto", ("unmeasured",), (9, 24, 0), True),
+    ("strict:{unmeasured}", ("unmeasured",), (9, 24, 0), True),
+    ("{unmeasured}", ("fixed", "unmeasured"), (9, 24, 0), True),
 ]
 
 
 @pytest.mark.parametrize(
-    "value, wheels, autopatch, runs, warns",
+    "value, wheels, runs, warns",
     AT_START_UP,
-    ids=["auto", "strict", "enable+autopatch", "auto-unmeasured", "strict:folder", "folder"],
+    ids=["auto", "strict", "auto-unmeasured", "strict:folder", "folder"],
 )
 def test_the_route_at_start_up(
-    builds: Dict[str, Path], tmp_path: Path, value, wheels, autopatch, runs, warns
+    builds: Dict[str, Path], tmp_path: Path, value, wheels, runs, warns
 ) -> None:
     """Issue #54: ``auto`` moves TE onto 9.19 (measured right), not onto the newer 9.24
     (not measured); where 9.24 is the only build installed, ``auto`` loads it with a
-    WARNING that the post-pass stays on; a folder named loads it (strict too). With the
-    patch as well, as a job that wants both (the patch hook fires on a fake TE without the
-    symbol), the route still loads its build before TE."""
+    WARNING that the post-pass stays on; a folder named loads it (strict too)."""
     value = value.format(unmeasured=_lib(builds, "unmeasured"))
-    env = {ENV: value, **({"TE_GQA_FIX_AUTOPATCH": "1"} if autopatch else {})}
-    proc = run_python(PROBE, _hook_env(builds, tmp_path, wheels, **env), tmp_path)
+    proc = run_python(PROBE, _hook_env(builds, tmp_path, wheels, **{ENV: value}), tmp_path)
+    _routed_at_start_up(proc, builds, value, runs, warns)
+
+
+def _start_route_and_patch(folder: Path) -> Optional[background.Job]:
+    """``TE_GQA_FIX_CUDNN=enable`` with ``TE_GQA_FIX_AUTOPATCH=1``, both wheel sites
+    installed: the patch hook imports torch (seconds), so this child starts when
+    collection ends (tests/fakes/background.py)."""
+    if fb.compiler() is None:
+        return None
+    builds = make_builds(folder / "builds")  # compiled once: the fixture then copies them
+    env = {ENV: "enable", "TE_GQA_FIX_AUTOPATCH": "1"}
+    env = python_env(_hook_env(builds, folder, ("fixed", "unmeasured"), **env))
+    cmd, env = python_command(PROBE, env, no_site=True)
+    return background.Job(cmd, folder, timeout=300, env=env, cwd=str(folder))
+
+
+background.STARTERS["route_and_patch"] = _start_route_and_patch
+
+
+@pytest.fixture(scope="module")
+def route_and_patch() -> Tuple[subprocess.CompletedProcess, Dict[str, Path]]:
+    job = background.get("route_and_patch")
+    if job is None:
+        pytest.skip("needs a C compiler")
+    proc = job.wait()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc, {name: job.folder / "builds" / f"site_{name}" for name in ("fixed", "unmeasured")}
+
+
+def test_the_route_at_start_up_with_the_patch_too(route_and_patch) -> None:
+    """With the patch as well, as a job that wants both (the patch hook fires on a fake TE
+    without the symbol), the route still loads its build before TE."""
+    proc, builds = route_and_patch
+    _routed_at_start_up(proc, builds, "enable", (9, 19, 0), False)
+
+
+def _routed_at_start_up(
+    proc: subprocess.CompletedProcess, builds: Dict[str, Path], value: str, runs, warns: bool
+) -> None:
+    """What :data:`PROBE` saw of the route set to ``value``: TE runs ``runs`` from the site
+    it was loaded from, said as ``warns`` says."""
     out = probed(proc)
     # At start-up only the stdlib hook and the settings are imported, nothing is loaded yet.
     assert out["early"] == {

@@ -5,7 +5,8 @@ in an ImportError traceback, startup_patch.sh in doctor's whole report and a tra
 
 The examples run in one background job (``fakes.background``) with CUDA hidden and a
 ``transformer_engine`` and a ``megatron`` that cannot be imported first on the path, so
-the machine lacks all three wherever the suite runs.
+the machine lacks all three wherever the suite runs; the Python ones in children forked
+from one process that imported torch (:data:`RUN_ALL`).
 """
 
 from __future__ import annotations
@@ -24,21 +25,63 @@ EXAMPLES = ROOT / "examples"
 CPU_EXAMPLES = {"cpu_postpass.py": "cpu_postpass: the rows zeroed are the rows whose true"}
 NAMES = sorted(p.name for p in EXAMPLES.iterdir() if p.suffix in (".py", ".sh"))
 
-# Runs every example (side by side) and writes {name: {"rc", "out", "err"}} to argv[2].
+# Runs every example (side by side) and writes {name: {"rc", "out", "err"}} to argv[2]. Each
+# Python example imports torch first: this process imports it once, then forks a child per
+# example that runs it as `python example.py` would (its folder first on the path, its
+# argv, __main__, its exit status, at exit what Python runs at exit) - one torch import for
+# all of them, not one each. The shell example runs in bash.
 RUN_ALL = """
-import json, subprocess, sys
+import atexit, json, os, runpy, subprocess, sys, tempfile, traceback
 from pathlib import Path
 examples, out = Path(sys.argv[1]), Path(sys.argv[2])
-procs = {}
+os.chdir(examples.parent)
+import torch  # noqa: F401  (before any fork: no thread started yet)
+
+
+def run_example(path):
+    sys.argv, sys.path[0] = [str(path)], str(path.parent)
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+        code = 0
+    except SystemExit as exc:  # as Python exits on it
+        code = exc.code
+        if code is not None and not isinstance(code, int):
+            print(code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
+runs = {}
 for name in json.loads(sys.argv[3]):
     path = examples / name
-    cmd = ["bash", str(path), "train.py"] if name.endswith(".sh") else [sys.executable, str(path)]
-    procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True, cwd=examples.parent)
+    files = [tempfile.TemporaryFile("w+") for _ in range(2)]
+    if name.endswith(".sh"):
+        runs[name] = (subprocess.Popen(["bash", str(path), "train.py"], stdout=files[0],
+                                       stderr=files[1], text=True), files)
+        continue
+    pid = os.fork()
+    if pid == 0:
+        for fd, f in zip((1, 2), files):
+            os.dup2(f.fileno(), fd)
+        run_example(path)
+    runs[name] = (pid, files)
 results = {}
-for name, p in procs.items():
-    stdout, stderr = p.communicate(timeout=300)
-    results[name] = {"rc": p.returncode, "out": stdout, "err": stderr}
+for name, (run, files) in runs.items():
+    if isinstance(run, int):
+        rc = os.waitstatus_to_exitcode(os.waitpid(run, 0)[1])
+    else:
+        rc = run.wait(timeout=300)
+    texts = []
+    for f in files:
+        f.seek(0)
+        texts.append(f.read())
+    results[name] = {"rc": rc, "out": texts[0], "err": texts[1]}
 out.write_text(json.dumps(results))
 """
 

@@ -54,8 +54,16 @@ def test_the_wheel_ships_the_package_start_up_files_license_and_typing(wheel: Pa
     assert meta["License-Expression"] == "Apache-2.0"
     assert meta["Requires-Python"] == ">=3.10"
     assert meta["Version"] == _version()
-    start = zipfile.ZipFile(wheel).read("te_gqa_fix_autopatch.start").decode().split()
-    assert start == ["_te_gqa_fix_autopatch:activate"]
+    # Issue #53: the .start file sits next to the .pth at the root of site-packages, as the
+    # hook module does, each byte for byte as in src (what they say: tests/test_startup.py).
+    top = {n for n in names if "/" not in n}
+    assert top == {
+        "te_gqa_fix_autopatch.pth",
+        "te_gqa_fix_autopatch.start",
+        "_te_gqa_fix_autopatch.py",
+    }
+    for name in top:
+        assert zipfile.ZipFile(wheel).read(name) == (ROOT / "src" / name).read_bytes(), name
 
 
 def test_the_sdist_ships_the_license(tmp_path: Path) -> None:

@@ -28,10 +28,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import te_gqa_fix
+from fakes.cuda_metadata import OnCuda
 from fakes.oracle import (
     KNOWN,
     Ragged,
@@ -651,14 +651,8 @@ def test_cpu_tensors_get_no_kernel_and_impl_triton_is_the_pytorch_post_pass(
 
 def _cuda_call(dtype: torch.dtype = torch.float32) -> Tuple[tuple, tuple]:
     """Gradients and offsets on a CUDA device without a GPU (only metadata is read)."""
-    with FakeTensorMode():
-        grads = tuple(torch.empty(r, h, 2, dtype=dtype, device="cuda")
-                      for r, h in ((5, 4), (10, 2), (10, 2)))  # fmt: skip
-        offsets = (
-            *(torch.empty(4, dtype=torch.int32, device="cuda") for _ in range(2)),
-            None,
-            None,
-        )
+    grads = tuple(OnCuda((r, h, 2), dtype) for r, h in ((5, 4), (10, 2), (10, 2)))
+    offsets = (OnCuda((4,), torch.int32), OnCuda((4,), torch.int32), None, None)
     return grads, offsets
 
 
@@ -687,7 +681,7 @@ def test_cuda_calls_get_the_kernel_or_one_warning_saying_why(
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(_kernel, "build", build)
-    monkeypatch.setattr(postpass, "_PLAIN", (*postpass._PLAIN, FakeTensor))  # as plain ones
+    monkeypatch.setattr(postpass, "_PLAIN", (*postpass._PLAIN, OnCuda))  # as plain ones
     grads, offsets = _cuda_call()
     span = key_span("padding_causal")
     why = {(False, True): "no CUDA device", (True, False): "Triton is unavailable "

@@ -32,7 +32,6 @@ import site
 import subprocess
 import sys
 import types
-import zipfile
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -698,23 +697,8 @@ def test_find_pth_in_a_site_folder(
     assert boot.find_pth() is None
 
 
-# ----------------------------------------------------------------------------- the wheel
-
-
-def test_the_wheel_ships_both_start_up_files_beside_the_hook(tmp_path: Path) -> None:
-    """Issue #53: the ``.start`` file sits next to the ``.pth`` at the root of
-    site-packages, as the hook module does, byte for byte as in ``src``."""
-    pytest.importorskip("hatchling")
-    code = f"from hatchling.build import build_wheel\nprint(build_wheel({str(tmp_path)!r}))\n"
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr
-    with zipfile.ZipFile(tmp_path / proc.stdout.split()[-1]) as wheel:
-        top = {n for n in wheel.namelist() if "/" not in n}
-        assert top == {PTH.name, START.name, "_te_gqa_fix_autopatch.py"}
-        for f in (PTH, START, SRC / "_te_gqa_fix_autopatch.py"):
-            assert wheel.read(f.name) == f.read_bytes(), f.name
+# ----------------------------------------------------------------------------- the install
+# (What the wheel ships, the start-up files byte for byte: tests/test_packaging.py.)
 
 
 def _installed_here() -> Optional[importlib.metadata.Distribution]:

@@ -12,7 +12,11 @@ for _folder in (TESTS, EVIDENCE):
     if str(_folder) not in sys.path:
         sys.path.insert(0, str(_folder))
 
+import torch  # noqa: E402
+
 from fakes import background  # noqa: E402
+
+torch.set_num_threads(1)  # as tests/conftest.py does, and why
 
 
 def pytest_sessionfinish() -> None:

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional
 
 import pytest
 
-from fakes import te_package
+from fakes import background, te_package
 from fakes.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -247,7 +247,8 @@ def test_main_usage_errors(ck, tmp_path):
 
 
 # The example's logging set-up, then TE's import with the start-up file of src/ run as
-# site-packages runs it: what a run's log holds about the fix.
+# site-packages runs it: what a run's log holds about the fix. The fake TE imports torch, so
+# this child starts when collection ends (tests/fakes/background.py).
 HOOK_RUN = """
 import logging, site, sys
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
@@ -256,20 +257,30 @@ import transformer_engine.pytorch
 """
 
 
-def test_the_hook_logs_the_line_the_check_looks_for(ck, tmp_path):
-    """TE_GQA_FIX_AUTOPATCH=1 and a (fake) TE import: the run's log has the line that
-    makes the check see the fix on (before: the check looked for the old hook's wording, so
-    every run with the fix read as one without)."""
-    fake = te_package.write_fake_te(tmp_path / "te")
+def _start_hook_run(folder: Path) -> background.Job:
+    fake = te_package.write_fake_te(folder / "te")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TE_GQA_FIX")}
     env["PYTHONPATH"] = os.pathsep.join(
         [*te_package.pythonpath(fake, ROOT / "src"), env.get("PYTHONPATH", "")]
     )
     cmd = [sys.executable, "-c", HOOK_RUN, str(ROOT / "src")]
-    on = subprocess.run(cmd, env={**env, "TE_GQA_FIX_AUTOPATCH": "1"}, capture_output=True,
-                        text=True, timeout=300)  # fmt: skip
-    assert on.returncode == 0, on.stderr
-    assert ck.fix_seen({}, on.stderr)["log_line"] is True, on.stderr
+    return background.Job(cmd, folder, timeout=300, env={**env, "TE_GQA_FIX_AUTOPATCH": "1"})
+
+
+background.STARTERS["hook_run"] = _start_hook_run
+
+
+@pytest.fixture(scope="module")
+def hook_run() -> subprocess.CompletedProcess:
+    return background.get("hook_run").wait()  # type: ignore[union-attr]
+
+
+def test_the_hook_logs_the_line_the_check_looks_for(ck, hook_run):
+    """TE_GQA_FIX_AUTOPATCH=1 and a (fake) TE import: the run's log has the line that
+    makes the check see the fix on (before: the check looked for the old hook's wording, so
+    every run with the fix read as one without)."""
+    assert hook_run.returncode == 0, hook_run.stderr
+    assert ck.fix_seen({}, hook_run.stderr)["log_line"] is True, hook_run.stderr
     assert ck.fix_seen({}, "te_gqa_fix: some other line\n")["log_line"] is False
 
 

@@ -17,7 +17,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Callable, Dict, Mapping, Optional
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from . import background
 
@@ -42,16 +42,24 @@ SITE_FOLDERS = [
 ]
 
 
+def python_command(
+    code: str, env: Dict[str, str], *, no_site: bool = False
+) -> Tuple[List[str], Dict[str, str]]:
+    """The command and environment of :func:`run_code` (for a background job too)."""
+    cmd = [sys.executable, *(["-S"] if no_site else []), "-c", code]
+    if no_site:
+        path = [env.get("PYTHONPATH", ""), *SITE_FOLDERS]
+        env = {**env, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+    return cmd, env
+
+
 def run_code(
     code: str, env: Dict[str, str], cwd: Optional[Path] = None, *, no_site: bool = False
 ) -> subprocess.CompletedProcess:
     """``python -c code`` in a fresh interpreter with ``env`` (:func:`child_env`); it must
     exit 0. ``no_site``: ``python -S``, the site folders after ``env``'s PYTHONPATH, so that
     no start-up file installed in them runs (the code processes the ones it means to)."""
-    cmd = [sys.executable, *(["-S"] if no_site else []), "-c", code]
-    if no_site:
-        path = [env.get("PYTHONPATH", ""), *SITE_FOLDERS]
-        env = {**env, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+    cmd, env = python_command(code, env, no_site=no_site)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=cwd)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
