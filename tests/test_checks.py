@@ -33,7 +33,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 import te_gqa_fix
@@ -194,9 +194,10 @@ def _one_element(a: Dict[str, Any]) -> None:
 _CUDA_OFFSETS = OnCuda((4,), I32)  # offsets on a CUDA device, without a GPU: metadata only
 
 
-class _AllocatorLimit(TorchDispatchMode):
-    """Allocations of more than ``limit`` elements fail as the allocator fails them, with
-    ``error``: a mask of 2**31 - 1 rows, deterministically and without touching memory."""
+class _AllocatorLimit(TorchFunctionMode):
+    """Factory calls of more than ``limit`` elements fail as the allocator fails them, with
+    ``error``: a mask of 2**31 - 1 rows, deterministically and without touching memory.
+    (A function mode, not a dispatch mode: entering one of those imports torch._dynamo.)"""
 
     FACTORIES = ("arange", "empty", "empty_strided", "full", "ones", "zeros", "new_empty",
                  "new_full", "new_ones", "new_zeros", "scalar_tensor")  # fmt: skip
@@ -205,15 +206,16 @@ class _AllocatorLimit(TorchDispatchMode):
         super().__init__()
         self.error, self.limit = error, limit
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if func.overloadpacket.__name__ in self.FACTORIES:
-            sizes = [x for x in args if isinstance(x, (list, tuple))]
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = getattr(func, "__name__", "")
+        if name in self.FACTORIES:
+            sizes = [x for x in args if isinstance(x, (list, tuple, torch.Size))]
             numbers = [x for x in args if isinstance(x, (int, float)) and not isinstance(x, bool)]
-            if func.overloadpacket.__name__ == "arange":  # (end) or (start, end[, step])
+            if name == "arange":  # (end) or (start, end[, step])
                 start, end = (0, numbers[0]) if len(numbers) == 1 else numbers[:2]
                 count = math.ceil((end - start) / (numbers[2] if len(numbers) > 2 else 1))
-            else:
-                count = math.prod(sizes[0]) if sizes else 1
+            else:  # (sizes) or (*sizes)
+                count = math.prod(sizes[0] if sizes else numbers)
             if count > self.limit:
                 raise self.error
         return func(*args, **(kwargs or {}))
