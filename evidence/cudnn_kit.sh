@@ -47,17 +47,13 @@
 # libcudnn_graph or the engine libraries name them; only the shim does, for its own exports:
 #   adv  legacy RNN, CTC and multi-head-attention API (cudnnMultiHeadAttnForward: not SDPA)
 #   ext  the subquadratic-ops API (cudnnCausalConv1d*, 7 functions; 9.22 on)
-#   ops  legacy imperative API: tensor ops, softmax, batch/layer norm, dropout (~35 MB xz)
-#   cnn  legacy convolution API (it NEEDs ops, so it goes with it)
-# None holds an SDPA engine, none is needed to load the others, and te-gqa-fix loads only the
-# sub-libraries a folder has. What a process loses: the legacy calls themselves (torch's own
-# cuDNN convolutions, batch norms, RNNs), which fail loudly (CUDNN_STATUS_SUBLIBRARY_LOADING_
-# FAILED) instead of running; the GPU tests and examples make none. To keep ops and cnn (the
-# kit of cuDNN 9.27 validated in docs/validation.md dropped adv only), set DROP="adv ext"
-# (or KIT_DROP="adv ext" in the environment).
-# (Checked here on CPU: loading the shim and calling cudnnGetVersion, cudnnBackendCreateDescriptor
-# and cudnnCreate maps libcudnn_graph only; the engine libraries load once a GPU is there.)
-DROP=${KIT_DROP-"adv ext ops cnn"}
+# Kept although no SDPA engine is in them: ops (legacy tensor ops, norms, dropout) and cnn
+# (legacy convolutions, which NEED ops). Something on the import of torch and TE loads
+# libcudnn_cnn.so.9 by name: without it in the folder the loader takes the system's older
+# one, which then fails against the newer libcudnn_graph ("undefined symbol
+# _ZTVN5cudnn7backend12OperationSetE, version libcudnn_graph.so.9"), and TE does not import.
+# KIT_DROP="adv ext ops cnn" reproduces that; KIT_DROP="adv" keeps ext too.
+DROP=${KIT_DROP-"adv ext"}
 set -uo pipefail
 export DROP
 exec python3 - "$@" <<'PY'

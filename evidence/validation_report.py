@@ -42,8 +42,11 @@ BUILDS = {
     "system": "the machine's cuDNN, which TE loads by default",
     "pip": "the cuDNN wheel torch ships, which TE loads through `CUDNN_HOME` and the loader path",
     "route": "`system` with `TE_GQA_FIX_CUDNN=auto` through the installed start-up hook",
-    "cudnn927": "`system` with `TE_GQA_FIX_CUDNN=strict:FOLDER`, FOLDER the libraries of the "
-    "`nvidia-cudnn-cu13` 9.27.0.42 wheel",
+    "cudnn920": "`system` with `TE_GQA_FIX_CUDNN=strict:FOLDER`, FOLDER the libraries of the "
+    "`nvidia-cudnn-cu13` 9.20.0.48 wheel but `adv` and `ext` (torch 2.12 and 2.13 bring 9.20)",
+    "cudnn9241": "the same with the 9.24.1.1 wheel (torch 2.14.1 brings 9.24)",
+    "cudnn927": "the same with the 9.27.0.42 wheel (all but `adv`)",
+    "cudnn9281": "the same with the 9.28.1.4 wheel, the newest",
     "system+pip": "the Megatron-Core runs, each on `system` or `pip` as its row says",
 }
 SUITES = {
@@ -374,6 +377,34 @@ def _sweep_rows(sweep: List[Rec], builds: List[str]) -> List[List[Any]]:
     return rows
 
 
+#: The sweep's layouts with empty sequences (tests/gpu/test_sweep.py), in words.
+EMPTY_LAYOUTS = {
+    "q_empty": "no queries",
+    "kv_empty": "no keys",
+    "both_empty": "queries nor keys",
+}
+
+
+def _empty_rows(sweep: List[Rec], builds: List[str]) -> List[List[Any]]:
+    """Per build and layout with empty sequences, ``deterministic`` both ways: cases,
+    corrupted unpatched, exact patched, non-finite values in rows that receive attention."""
+    rows = []
+    for b in builds:
+        for layout, words in EMPTY_LAYOUTS.items():
+            rs = [r for r in sweep if r["build"] == b and r.get("layout") == layout]
+            if not rs:
+                continue
+            det = sorted({"yes" if r.get("deterministic") else "no" for r in rs}, reverse=True)
+            live = sum(r.get(f"{g}_nonfinite_live") or 0 for r in rs for g in GRADS)
+            rows.append([
+                b, f"{layout} ({words})", "/".join(det), len(rs),
+                sum(bool(r["unpatched_corrupted"]) for r in rs),
+                sum(bool(r["patched_exact"]) for r in rs), live,
+                max(_ratio(r) or 0.0 for r in rs),
+            ])  # fmt: skip
+    return rows
+
+
 def _head_dim_rows(rule: List[Rec], wrapped: List[Rec], builds: List[str]) -> List[List[Any]]:
     """One row per build and shape: the three head layouts' outcomes side by side."""
     rows = []
@@ -571,6 +602,18 @@ def render(recs: List[Rec], fakes: Sequence[str] = ()) -> str:
         "|dead-row max patched|worst err/bound",
         _sweep_rows(cases("test_sweep.py::test_sweep"), builds),
     )
+    empty = _empty_rows(cases("test_sweep.py::test_sweep"), builds)
+    if empty:
+        L += _section(
+            "Sequences without queries or keys",
+            "The same sweep by layout: every layout has its kind of empty sequence in the middle "
+            "of the batch and at its end, with padding between sequences and tail rows. Context "
+            "parallelism makes such sequences on every step. Non-finite live: NaN or inf, patched, "
+            "in rows that receive attention, which no post-pass may zero.",
+            "build|sequences without|deterministic|cases|corrupted unpatched|exact patched"
+            "|non-finite live|worst err/bound",
+            empty,
+        )
     counts = cases("test_sweep.py::test_sequence_counts")
     if counts:
         L += _section(
@@ -631,9 +674,11 @@ def render(recs: List[Rec], fakes: Sequence[str] = ()) -> str:
         "Head dims above 128",
         "`tests/gpu/test_head_dim.py`, per shape for MHA 8/8, GQA 8/2, MQA 8/1 after a poisoned "
         "block: is TE's own backward plus the post-pass exact (the measured table behind the "
-        "rule in `te_gqa_fix/stack/affected.py`), and is the wrapper exact with default settings "
-        "(the exact fallback where the rule says `unrepairable`, counted; a fourth result with "
-        "the PyTorch post-pass where there is one).",
+        "rule in `te_gqa_fix/rules.py`), and is the wrapper exact with default settings (the "
+        "exact fallback where the rule says `live_rows_wrong`, counted; a fourth result with "
+        "the PyTorch post-pass where there is one). *rule* is the verdict of the code run: a "
+        "build not yet measured then reads `stale_rows` (the post-pass kept), with live rows "
+        "judged by the measured build below it; its row here is what measured it.",
         "build|d/d_v|rule|TE + post-pass exact|wrapper exact|fallback calls",
         _head_dim_rows(cases("test_head_dim.py::test_rule_matches_te"),
                        cases("test_head_dim.py::test_wrapper_exact"), builds),

@@ -55,7 +55,7 @@ def _fresh_route():
 
 def make_builds(base: Path) -> Dict[str, Path]:
     """Wheel sites: 9.14 by header (measured wrong: stale rows), 9.19 by metadata (measured
-    right), 9.24 by header in TE's cu13 layout (not measured), one without a version; a
+    right), 9.25 by header in TE's cu13 layout (not measured), one without a version; a
     system build 9.14 with versioned file names."""
     out = {name: base / f"site_{name}" for name in ("old", "fixed", "unmeasured", "anon")}
     out["system"] = base / "sys"
@@ -65,7 +65,7 @@ def make_builds(base: Path) -> Dict[str, Path]:
     decoy.mkdir()
     (decoy / "RECORD").write_text("nvidia/cudnn/lib64/libcudnn.so.9,,\n")
     (out["fixed"] / "nvidia_cudnn_cu12-9.dist-info").mkdir()  # no dotted version: not a wheel's
-    fb.wheel_build(out["unmeasured"], (9, 24, 0), layout=UNMEASURED_LAYOUT, how="header")
+    fb.wheel_build(out["unmeasured"], (9, 25, 0), layout=UNMEASURED_LAYOUT, how="header")
     fb.wheel_build(out["anon"], (9, 21, 0), how="none")
     fb.system_build(out["system"], (9, 14, 0))
     return out
@@ -88,10 +88,10 @@ def _lib(builds: Dict[str, Path], name: str) -> Path:
 
 
 @pytest.fixture
-def measured_wrong_924(monkeypatch: pytest.MonkeyPatch) -> rules.Measurement:
-    """The table with a measurement of 9.24 that found sequences without queries or keys
+def measured_wrong_925(monkeypatch: pytest.MonkeyPatch) -> rules.Measurement:
+    """The table with a measurement of 9.25 that found sequences without queries or keys
     wrong on rows that receive attention (put back after the test)."""
-    wrong = rules.Measurement((9, 24, 0), False, frozenset(), rules._ABOVE_128, True)
+    wrong = rules.Measurement((9, 25, 0), False, frozenset(), rules._ABOVE_128, True)
     table = sorted((*rules.MEASURED, wrong), key=lambda m: m.cudnn)
     monkeypatch.setattr(rules, "MEASURED", tuple(table))
     return wrong
@@ -115,7 +115,7 @@ def test_discovery_reads_each_layout_and_version_source(builds: Dict[str, Path])
     assert by_site["fixed"].version == (9, 19, 0)
     assert by_site["fixed"].how == "wheel metadata"
     assert by_site["fixed"].distribution == "nvidia-cudnn-cu13"
-    assert by_site["unmeasured"].version == (9, 24, 0)
+    assert by_site["unmeasured"].version == (9, 25, 0)
     assert by_site["unmeasured"].lib_dir.endswith(os.path.join(*UNMEASURED_LAYOUT.split("/")))
     anon = by_site["anon"]
     assert anon.version is None and not anon.fixed and anon.version_str == anon.how == "unknown"
@@ -149,11 +149,16 @@ V = Tuple[int, ...]
 
 @pytest.mark.parametrize(
     "versions, chosen",
-    [([(9, 19, 0), (9, 24, 0)], (9, 19, 0)),  # measured right over a newer unmeasured one
-     ([(9, 24, 0)], (9, 24, 0)),  # none measured right installed: the newest unmeasured
-     ([(9, 18, 0), (9, 24, 0), (9, 21, 3)], (9, 24, 0)),
+    [([(9, 19, 0), (9, 25, 0)], (9, 19, 0)),  # measured right over a newer unmeasured one
+     # Issue #54: torch 2.14.1's 9.24 was measured as 9.19 (right but at q/k 256 with v 128,
+     # no trouble with zero-length sequences): beside 9.19 the newer, alone itself.
+     ([(9, 19, 0), (9, 24, 0)], (9, 24, 0)), ([(9, 24, 0)], (9, 24, 0)),
+     ([(9, 24, 1), (9, 25, 0)], (9, 24, 1)),
+     ([(9, 25, 0)], (9, 25, 0)),  # none measured right installed: the newest unmeasured
+     ([(9, 18, 0), (9, 25, 0), (9, 21, 3)], (9, 25, 0)),
      ([(9, 19, 2), (9, 14, 0)], (9, 19, 2)),  # a patch release is its minor release's
      ([(9, 27, 0), (9, 19, 0), (9, 30, 0)], (9, 27, 0)),  # the newest measured right
+     ([(9, 28, 1), (9, 27, 0), (9, 28, 0)], (9, 28, 1)),
      ([(9, 17, 9)], None), ([(9, 14, 0), (8, 9, 7)], None),  # never below 9.18
      ([(10, 0, 0)], None), ([(10,)], None), ([None], None), ([], None)],
 )  # fmt: skip
@@ -168,12 +173,12 @@ def test_auto_chooses_the_newest_measured_right_else_unmeasured_from_9_18(
     assert all(isinstance(hash(b), int) for b in builds)  # frozen, so hashable
 
 
-def test_auto_never_chooses_a_build_measured_wrong(measured_wrong_924) -> None:
+def test_auto_never_chooses_a_build_measured_wrong(measured_wrong_925) -> None:
     build = lambda v: cudnn_route.CudnnBuild("/x", v, "wheel", "header")  # noqa: E731
-    assert build((9, 24, 0)).measured == "wrong" and build((9, 24, 5)).measured == "wrong"
-    assert cudnn_route.choose([build((9, 24, 0))]) is None
-    assert cudnn_route.choose([build((9, 24, 0)), build((9, 19, 0))]).version == (9, 19, 0)
-    assert cudnn_route.choose([build((9, 24, 0)), build((9, 25, 0))]).version == (9, 25, 0)
+    assert build((9, 25, 0)).measured == "wrong" and build((9, 25, 5)).measured == "wrong"
+    assert cudnn_route.choose([build((9, 25, 0))]) is None
+    assert cudnn_route.choose([build((9, 25, 0)), build((9, 19, 0))]).version == (9, 19, 0)
+    assert cudnn_route.choose([build((9, 25, 0)), build((9, 26, 0))]).version == (9, 26, 0)
 
 
 @pytest.mark.parametrize(
@@ -255,7 +260,7 @@ def test_auto_without_a_build_it_may_load_names_versions_seen_and_the_pip_instal
 def test_strict_loads_an_unmeasured_build_only_from_a_folder_named(
     builds: Dict[str, Path],
 ) -> None:
-    """Issue #54: strict refuses 9.24 (not measured) found by ``auto``, and tells the way to
+    """Issue #54: strict refuses 9.25 (not measured) found by ``auto``, and tells the way to
     name it in the words the user asked with; nothing is loaded. (Named, it loads:
     test_the_route_at_start_up.)"""
     site_dir = [str(builds["unmeasured"])]
@@ -271,20 +276,20 @@ def test_strict_loads_an_unmeasured_build_only_from_a_folder_named(
             else:
                 cudnn_route.use_fixed_cudnn("auto", search_path=site_dir)
         message = str(err.value)
-        assert message.startswith(f"{source}: cuDNN 9.24.0 in {lib} was not measured"), message
+        assert message.startswith(f"{source}: cuDNN 9.25.0 in {lib} was not measured"), message
         assert f"a folder you name ({naming}); nothing was loaded" in message
         assert cudnn_route.route_state()["loaded"] == ()
 
 
 def test_a_build_measured_wrong_is_never_loaded(
-    builds: Dict[str, Path], caplog: pytest.LogCaptureFixture, measured_wrong_924
+    builds: Dict[str, Path], caplog: pytest.LogCaptureFixture, measured_wrong_925
 ) -> None:
-    """Issue #54: with 9.24 measured wrong (sequences without queries or keys), neither
+    """Issue #54: with 9.25 measured wrong (sequences without queries or keys), neither
     ``auto`` (strict or not) nor its folder named (strict or not) loads it."""
     lib = str(_lib(builds, "unmeasured"))
-    with pytest.raises(CudnnRefused, match=r"found no cuDNN wheel it may load .*9\.24\.0 wrong"):
+    with pytest.raises(CudnnRefused, match=r"found no cuDNN wheel it may load .*9\.25\.0 wrong"):
         cudnn_route.use_fixed_cudnn("auto", search_path=[str(builds["unmeasured"])])
-    wrong = rf"cuDNN 9\.24\.0 in {re.escape(lib)} was measured wrong .* the route never loads it"
+    wrong = rf"cuDNN 9\.25\.0 in {re.escape(lib)} was measured wrong .* the route never loads it"
     for strict in (True, False):
         source = f"{ENV}='{'strict:' if strict else ''}{lib}'"
         with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
@@ -674,13 +679,13 @@ PROBE = (
 )
 
 #: (TE_GQA_FIX_CUDNN, the wheel sites installed) -> the cuDNN TE runs, whether the route
-#: warns that the post-pass stays on. "{unmeasured}": 9.24's folder.
+#: warns that the post-pass stays on. "{unmeasured}": 9.25's folder.
 AT_START_UP = [
     ("auto", ("fixed", "unmeasured"), (9, 19, 0), False),
     ("strict", ("fixed", "unmeasured"), (9, 19, 0), False),
-    ("auto", ("unmeasured",), (9, 24, 0), True),
-    ("strict:{unmeasured}", ("unmeasured",), (9, 24, 0), True),
-    ("{unmeasured}", ("fixed", "unmeasured"), (9, 24, 0), True),
+    ("auto", ("unmeasured",), (9, 25, 0), True),
+    ("strict:{unmeasured}", ("unmeasured",), (9, 25, 0), True),
+    ("{unmeasured}", ("fixed", "unmeasured"), (9, 25, 0), True),
 ]
 
 
@@ -692,8 +697,8 @@ AT_START_UP = [
 def test_the_route_at_start_up(
     builds: Dict[str, Path], tmp_path: Path, value, wheels, runs, warns
 ) -> None:
-    """Issue #54: ``auto`` moves TE onto 9.19 (measured right), not onto the newer 9.24
-    (not measured); where 9.24 is the only build installed, ``auto`` loads it with a
+    """Issue #54: ``auto`` moves TE onto 9.19 (measured right), not onto the newer 9.25
+    (not measured); where 9.25 is the only build installed, ``auto`` loads it with a
     WARNING that the post-pass stays on; a folder named loads it (strict too)."""
     value = value.format(unmeasured=_lib(builds, "unmeasured"))
     proc = run_python(PROBE, _hook_env(builds, tmp_path, wheels, **{ENV: value}), tmp_path)
@@ -753,7 +758,7 @@ def _routed_at_start_up(
     assert route["verified"] is True and route["te_cudnn"] == cudnn_route.version_str(runs)
     assert route["setting"] == f"{ENV}={shown(value)}"
     assert route["chosen_measured"] == ("unmeasured" if warns else "right")
-    site_dir = builds["unmeasured" if runs == (9, 24, 0) else "fixed"]
+    site_dir = builds["unmeasured" if runs == (9, 25, 0) else "fixed"]
     assert all(p.startswith(str(site_dir)) for p in out["maps"] if "sys" not in p)
     if warns:
         assert "the post-pass stays on" in route["warning"]
@@ -768,7 +773,7 @@ def test_strict_failure_stays_a_failure_on_every_import(
     builds: Dict[str, Path], tmp_path: Path, wheels: tuple
 ) -> None:
     """A strict route that failed once must not let a retried import go on silently; the
-    error names the setting as the user gave it (issue #53), and strict refuses 9.24, not
+    error names the setting as the user gave it (issue #53), and strict refuses 9.25, not
     measured, found by auto (issue #54)."""
     env = _hook_env(builds, tmp_path, wheels, **{ENV: "strict"})
     code = (

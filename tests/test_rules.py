@@ -3,8 +3,8 @@ the wrapper does with one call shape.
 
 Every expected value below is stated by hand from the rule's definition (docs/validation.md
 and the design): on Hopper, cuDNN 9.14 leaves stale rows and is wrong on live rows above
-head dim 128 except q/k 192 with v 128; 9.19 is right except q/k 256 with v 128; 9.27 is
-right everywhere measured; a head-dim pair measured neither way counts as wrong. A build
+head dim 128 except q/k 192 with v 128; 9.19, 9.20 and 9.24.1 are right except q/k 256 with
+v 128; 9.27 and 9.28.1 are right everywhere measured; a head-dim pair measured neither way counts as wrong. A build
 that was not measured keeps the post-pass and is judged on live rows by the newest measured
 build at or below it (the oldest where none is below, or where its version is unknown).
 """
@@ -27,7 +27,14 @@ from te_gqa_fix.rules import (
 )
 
 HOPPER, AMPERE, BLACKWELL = (9, 0), (8, 0), (10, 0)
-V914, V919, V927 = (9, 14, 0), (9, 19, 0), (9, 27, 0)
+V914, V919, V920, V9241, V927, V9281 = (
+    (9, 14, 0),
+    (9, 19, 0),
+    (9, 20, 0),
+    (9, 24, 1),
+    (9, 27, 0),
+    (9, 28, 1),
+)
 
 #: (capability, cuDNN TE runs, d_qk, d_v) -> (status, cuDNN of the measurement that judged
 #: it, whether that is this build's own measurement).
@@ -54,17 +61,23 @@ JUDGED = {
     "9.19 at 192/128": ((HOPPER, V919, 192, 128), ("right", V919, True)),
     "9.19 at 256/128": ((HOPPER, V919, 256, 128), ("live_rows_wrong", V919, True)),
     "9.19 at 136 (measured neither way)": ((HOPPER, V919, 136, 136), ("live_rows_wrong", V919, True)),
-    # 9.27: right at every pair measured.
+    # 9.20 and 9.24.1 (torch's own cuDNN wheels): as 9.19.
+    "9.20 at 256": ((HOPPER, V920, 256, 256), ("right", V920, True)),
+    "9.20 at 256/128": ((HOPPER, V920, 256, 128), ("live_rows_wrong", V920, True)),
+    "9.24.0 (a patch release below the one measured)": ((HOPPER, (9, 24, 0), 192, 128), ("right", V9241, True)),
+    "9.24.1 at 256/128": ((HOPPER, V9241, 256, 128), ("live_rows_wrong", V9241, True)),
+    # 9.27 and 9.28.1: right at every pair measured.
+    "9.28.0 at 256/128": ((HOPPER, (9, 28, 0), 256, 128), ("right", V9281, True)),
     "9.27 at 256/128": ((HOPPER, V927, 256, 128), ("right", V927, True)),
     "9.27.5 at 96": ((HOPPER, (9, 27, 5), 96, None), ("right", V927, True)),
     # Unmeasured builds: the post-pass stays; live rows judged by the build below.
     "9.18 (fixed upstream, not measured)": ((HOPPER, (9, 18, 0), None, None), ("stale_rows", V914, False)),
     "9.18 at 256": ((HOPPER, (9, 18, 0), 256, 256), ("live_rows_wrong", V914, False)),
-    "9.20.1": ((HOPPER, (9, 20, 1), None, None), ("stale_rows", V919, False)),
-    "9.20.1 at 256": ((HOPPER, (9, 20, 1), 256, 256), ("stale_rows", V919, False)),
-    "9.20.1 at 256/128": ((HOPPER, (9, 20, 1), 256, 128), ("live_rows_wrong", V919, False)),
-    "9.28 (newer than the newest measured)": ((HOPPER, (9, 28, 0), None, None), ("stale_rows", V927, False)),
-    "9.28 at 256/128": ((HOPPER, (9, 28, 0), 256, 128), ("stale_rows", V927, False)),
+    "9.22.1": ((HOPPER, (9, 22, 1), None, None), ("stale_rows", V920, False)),
+    "9.22.1 at 256": ((HOPPER, (9, 22, 1), 256, 256), ("stale_rows", V920, False)),
+    "9.22.1 at 256/128": ((HOPPER, (9, 22, 1), 256, 128), ("live_rows_wrong", V920, False)),
+    "9.29 (newer than the newest measured)": ((HOPPER, (9, 29, 0), None, None), ("stale_rows", V9281, False)),
+    "9.29 at 256/128": ((HOPPER, (9, 29, 0), 256, 128), ("stale_rows", V9281, False)),
     "9.10 (older than the oldest measured)": ((HOPPER, (9, 10, 0), 128, 128), ("stale_rows", V914, False)),
     "9.10 at 256": ((HOPPER, (9, 10, 0), 256, 256), ("live_rows_wrong", V914, False)),
     # The cuDNN TE runs cannot be read: judged as the oldest measured build.
@@ -91,9 +104,11 @@ MEASUREMENTS = {
     (9, 10, 0): (V914, False),
     (9, 14, 3): (V914, True),
     (9, 19, 0): (V919, True),
-    (9, 26, 9): (V919, False),
+    (9, 24, 0): (V9241, True),
+    (9, 26, 9): (V9241, False),
     (9, 27, 5): (V927, True),
-    (10, 0, 0): (V927, False),
+    (9, 28, 0): (V9281, True),
+    (10, 0, 0): (V9281, False),
 }
 
 
@@ -104,14 +119,13 @@ def test_measurement_for(cudnn: Optional[Tuple[int, int, int]]) -> None:
 
 
 def test_measured_builds_right_everywhere_and_the_remedy() -> None:
-    """Only 9.27 is right everywhere measured; a remedy names it, at any head dims."""
-    assert [measurement_for(v)[0].right_at_every_shape for v in (V914, V919, V927)] == [
-        False,
-        False,
-        True,
-    ]
+    """Only 9.27 and 9.28.1 are right everywhere measured; a remedy names the newer, at any
+    head dims."""
+    builds = (V914, V919, V920, V9241, V927, V9281)
+    right = [measurement_for(v)[0].right_at_every_shape for v in builds]
+    assert right == [False, False, False, False, True, True]
     for dims in ((128, None), (256, 128), (192, 128), (256, 256)):
-        assert newest_right(*dims).cudnn == V927
+        assert newest_right(*dims).cudnn == V9281
     assert version_text((9, 14, 0)) == "9.14.0"
     assert pip_hint((9, 27, 0)) == (
         "pip install 'nvidia-cudnn-cu12>=9.27' (CUDA 12) or 'nvidia-cudnn-cu13>=9.27' (CUDA 13)"

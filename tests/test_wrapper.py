@@ -908,11 +908,11 @@ def test_auto_passes_through_on_a_cudnn_measured_right(
     ("cudnn", "capability", "env", "head_dim", "heads"),
     [(AFFECTED, HOPPER, {}, 128, GQA), (None, HOPPER, {}, 128, GQA), (FIXED, None, {}, 128, GQA),
      (AFFECTED, AMPERE, {}, 128, GQA), (AFFECTED, HOPPER, {"TE_GQA_FIX_GUARD": "off"}, 256, GQA),
-     ((9, 18, 0), HOPPER, {}, 128, GQA), ((9, 28, 0), HOPPER, {}, 256, GQA),
+     ((9, 18, 0), HOPPER, {}, 128, GQA), ((9, 29, 0), HOPPER, {}, 256, GQA),
      (FIXED, HOPPER, {"TE_GQA_FIX": "always"}, 8, GQA),
      (FIXED, HOPPER, {"TE_GQA_FIX": "always"}, 8, MHA)],
     ids=["affected", "cudnn-unknown", "gpu-unknown", "ampere", "guard-off-256",
-         "unmeasured-9.18", "unmeasured-newer-9.28", "always-on-fixed-gqa", "always-on-fixed-mha"],
+         "unmeasured-9.18", "unmeasured-newer-9.29", "always-on-fixed-gqa", "always-on-fixed-mha"],
 )  # fmt: skip
 def test_post_pass_on_every_call_where_no_measurement_says_right(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, cudnn: Optional[tuple],
@@ -1113,7 +1113,8 @@ def test_measured_right_cudnn_still_wrong_at_256_128_goes_to_the_fallback(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, heads: dict
 ) -> None:
     """q/k 256 with v 128 was measured wrong on cuDNN 9.19 too: there the wrapper does not
-    pass it through; the fallback serves it, and names the build measured right (9.27)."""
+    pass it through; the fallback serves it, and names the newest build measured right there
+    (9.28.1)."""
     stack = Stack(monkeypatch, FIXED)
     fake, wrapped, asked = stack.fake, stack.wrapped, stack.exact.asked
     with caplog.at_level(logging.WARNING, logger="te_gqa_fix"):
@@ -1122,7 +1123,7 @@ def test_measured_right_cudnn_still_wrong_at_256_128_goes_to_the_fallback(
     assert len(asked) == 1 and len(fake.backend.calls) == 1
     assert call_counts() == _counts(2, skipped=1, fallback=1)
     (said,) = _warnings(caplog)
-    assert "256 (q/k) / 128 (v)" in said and "nvidia-cudnn-cu13>=9.27" in said, said
+    assert "256 (q/k) / 128 (v)" in said and "nvidia-cudnn-cu13>=9.28" in said, said
 
 
 @pytest.fixture(params=["raises", "missing"])

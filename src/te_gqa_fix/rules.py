@@ -85,7 +85,10 @@ class Measurement:
 MEASURED: Tuple[Measurement, ...] = (
     Measurement((9, 14, 0), True, _ABOVE_128 - {(192, 128)}, frozenset({(192, 128)})),
     Measurement((9, 19, 0), False, frozenset({(256, 128)}), _ABOVE_128 - {(256, 128)}),
+    Measurement((9, 20, 0), False, frozenset({(256, 128)}), _ABOVE_128 - {(256, 128)}),
+    Measurement((9, 24, 1), False, frozenset({(256, 128)}), _ABOVE_128 - {(256, 128)}),
     Measurement((9, 27, 0), False, frozenset(), _ABOVE_128),
+    Measurement((9, 28, 1), False, frozenset(), _ABOVE_128),
 )
 
 
