@@ -185,20 +185,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--steps", type=int, default=20, help="timed steps per block")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per block")
     ap.add_argument("--modes", default=",".join(MODES), help="synced, back-to-back or both")
-    ap.add_argument(
-        "--launch",
-        choices=("entry", "triton"),
-        default="entry",
-        help="the post-pass kernel's launch: the launcher's C entry point where the Triton "
-        "release has one (the library's choice), or Triton's own Python launcher",
-    )
     args = ap.parse_args(argv)
     import transformer_engine.pytorch as te
-
-    if args.launch == "triton":  # the A/B of the C entry point: no release takes it
-        from te_gqa_fix import postpass
-
-        postpass.C_ENTRY_RELEASES = ()
 
     doc = {
         "bench": "step",
@@ -208,7 +196,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             "d": D,
             "dtype": "bf16",
             "mask": "padding_causal",
-            **{k: getattr(args, k) for k in ("blocks", "seconds", "steps", "warmup", "launch")},
+            **{k: getattr(args, k) for k in ("blocks", "seconds", "steps", "warmup")},
         },
         "rows": [],
     }

@@ -109,13 +109,11 @@ def _te_gqa_fix_uses(path: Path) -> List[str]:
 def test_benchmarks_use_the_public_api_and_wrapper_for_only() -> None:
     """What the benchmarks time is what users call: a benchmark that reached into the
     package's internals would time (and break with) something no user runs. The fallback
-    benchmark's knob (``rules.MEASURED``) and the step benchmark's A/B of the kernel's launch
-    (``postpass.C_ENTRY_RELEASES``) are the documented exceptions."""
+    benchmark's knob (``rules.MEASURED``) is the one documented exception."""
     allowed = {f"te_gqa_fix.{name}" for name in te_gqa_fix.__all__}
     allowed.add("te_gqa_fix.wrapper.wrapper_for")
     for path in sorted(BENCH.glob("*.py")):
-        extra = {"fallback_cost.py": {"te_gqa_fix.rules"},
-                 "bench_step.py": {"te_gqa_fix.postpass"}}.get(path.name, set())  # fmt: skip
+        extra = {"te_gqa_fix.rules"} if path.name == "fallback_cost.py" else set()
         bad = [u for u in _te_gqa_fix_uses(path) if u not in allowed | extra]
         assert not bad, f"{path.name} uses {bad}"
 

@@ -29,7 +29,7 @@ import torch
 
 from . import _kernel, checks, settings
 from ._logging import log_once
-from ._te import OFFSET_NAMES, release
+from ._te import OFFSET_NAMES
 from .checks import ARGUMENT_BITS, shape_of
 from .errors import InputError, OffsetsError
 from .masks import KeySpan, key_bounds, key_span
@@ -382,40 +382,6 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-#: Triton releases whose launcher's C entry point (``CompiledKernel.run.launch``) takes
-#: ``(grid x, y, z, stream, function, cooperative grid, PDL, global scratch, profile
-#: scratch, packed metadata, launch metadata, enter hook, exit hook, *kernel arguments)``:
-#: what their ``CudaLauncher.__call__`` passes it once the scratch memory is allocated.
-C_ENTRY_RELEASES = ((3, 5), (3, 6))
-
-
-def launch_entry(compiled: Any, triton_version: str) -> Tuple[Callable[..., None], tuple]:
-    """The function a launch of ``compiled`` calls, and its arguments between the stream and
-    the kernel's own: both are called as ``entry(x, y, z, stream, *between, *arguments)``.
-
-    Args:
-        compiled: a Triton ``CompiledKernel``.
-        triton_version: ``triton.__version__``.
-
-    Returns:
-        On a release of :data:`C_ENTRY_RELEASES`, for a kernel that needs no scratch memory,
-        the launcher's C entry point: it skips the Python layer that would allocate that
-        memory. Anywhere else Triton's own launcher, ``compiled.run``.
-    """
-    run = compiled.run
-    if (
-        release(triton_version) in C_ENTRY_RELEASES
-        and getattr(run, "global_scratch_size", None) == 0
-        and getattr(run, "profile_scratch_size", None) == 0
-    ):
-        between = (
-            compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
-            compiled.packed_metadata, None, None, None,
-        )  # fmt: skip
-        return run.launch, between
-    return run, (compiled.function, compiled.packed_metadata, None, None, None)
-
-
 _data_ptr = torch.Tensor.data_ptr
 _SIXTEEN = 16
 
@@ -467,12 +433,11 @@ class KernelLaunch:
 
     def _bind(self, compiled: Any) -> Callable[..., None]:
         """A launcher of ``compiled`` taking the seven tensor addresses, on the current
-        stream, every other argument bound now (:func:`launch_entry`). It skips what
-        ``kernel[grid](...)`` redoes at every launch (device and stream lookups, launch
-        metadata); Triton's launch hooks are not called."""
-        import triton
-
-        entry, between = launch_entry(compiled, triton.__version__)
+        stream, every other argument bound now: Triton's own launcher (``compiled.run``),
+        without what ``kernel[grid](...)`` redoes at every launch (device and stream lookups,
+        launch metadata); Triton's launch hooks are not called."""
+        run = compiled.run
+        between = (compiled.function, compiled.packed_metadata, None, None, None)
         grid_x, grid_y, grid_z = self.grid
         # The kernel's arguments: seven tensors, the error word, the scalars, then constants.
         names = _kernel.build().arg_names[8 + len(self.scalars) :]
@@ -481,7 +446,7 @@ class KernelLaunch:
         index = self.device.index
 
         def launch_on_current_stream(*ptrs: int) -> None:
-            entry(grid_x, grid_y, grid_z, stream(index), *between, *ptrs, *tail)
+            run(grid_x, grid_y, grid_z, stream(index), *between, *ptrs, *tail)
 
         return launch_on_current_stream
 

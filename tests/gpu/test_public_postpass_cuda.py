@@ -23,8 +23,7 @@ from hypothesis import strategies as st
 import te_gqa_fix
 from fakes.cuda_checks import capture, no_host_sync
 from fakes.oracle import assert_rows, bits, expected_keep, make_ragged
-from te_gqa_fix import OffsetsError, _kernel, postpass, zero_dead_rows
-from te_gqa_fix._te import release
+from te_gqa_fix import OffsetsError, postpass, zero_dead_rows
 from te_gqa_fix.checks import ARGUMENT_BITS
 from te_gqa_fix.masks import key_span
 
@@ -191,36 +190,3 @@ def test_pinned_word_is_written_by_triton_directly() -> None:
     plan.run(dq, dk, dv, tuple(offs))
     torch.cuda.synchronize()
     assert int(word[0]) == ARGUMENT_BITS["cu_seqlens_kv_padded"]
-
-
-def test_the_launch_entry_gets_what_tritons_launcher_passes() -> None:
-    """``postpass.launch_entry`` against this Triton: called as the post-pass calls it, the
-    C entry point receives exactly what ``CompiledKernel.run`` passes it (on the releases
-    of ``C_ENTRY_RELEASES`` the entry is the C entry point itself; elsewhere it is ``run``)."""
-    _need("triton")
-    import triton
-
-    ragged, dq, dk, dv = _case()
-    offs = tuple(ragged.tensors("cuda"))
-    plan = postpass.prepare(dq, dk, dv, offs, key_span("padding_causal"))
-    assert plan is not None
-    compiled = _kernel.build()[plan.grid](dq, dk, dv, *offs, plan.err, *plan.scalars, **plan.meta)  # fmt: skip
-    run = compiled.run
-    seen: List[tuple] = []
-    real_launch = run.launch
-    run.launch = lambda *a: seen.append(a)
-    try:
-        constants = _kernel.build().arg_names[8 + len(plan.scalars) :]
-        args = (
-            *(t.data_ptr() for t in (dq, dk, dv, *offs)), plan.err.data_ptr(), *plan.scalars,
-            *(plan.meta[n] for n in constants),
-        )  # fmt: skip
-        stream = torch.cuda.current_stream().cuda_stream
-        run(*plan.grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)  # fmt: skip
-        entry, between = postpass.launch_entry(compiled, triton.__version__)
-        entry(*plan.grid, stream, *between, *args)
-    finally:
-        run.launch = real_launch
-    assert len(seen) == 2 and seen[0] == seen[1], seen
-    c_entry = release(triton.__version__) in postpass.C_ENTRY_RELEASES
-    assert (entry is not run) == c_entry, (triton.__version__, entry)
