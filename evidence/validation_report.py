@@ -379,9 +379,9 @@ def _sweep_rows(sweep: List[Rec], builds: List[str]) -> List[List[Any]]:
 
 #: The sweep's layouts with empty sequences (tests/gpu/test_sweep.py), in words.
 EMPTY_LAYOUTS = {
-    "q_empty": "no queries",
-    "kv_empty": "no keys",
-    "both_empty": "queries nor keys",
+    "q_empty": "queries",
+    "kv_empty": "keys",
+    "both_empty": "either",
 }
 
 
