@@ -10,7 +10,6 @@ interpreter in one child process, this file run as a script; compiled in the ``g
 from __future__ import annotations
 
 import enum
-import importlib.util
 import inspect
 import itertools
 import logging
@@ -21,8 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import pytest
 import torch
 
-from fakes import background
-from fakes.interpreter import results, start_checks, worker_main
+from fakes.interpreter import interpreted_checks, worker_main
 from te_gqa_fix import fallback
 from te_gqa_fix._te import OFFSET_NAMES, Args
 from te_gqa_fix.errors import InputError
@@ -912,17 +910,7 @@ WORKER_CHECKS = {
     "impossible_offsets": lambda: _moves_on_impossible_offsets("triton"),
 }
 
-background.STARTERS["row_moves_interpreted"] = lambda folder: (
-    start_checks(__file__, folder) if importlib.util.find_spec("triton") else None
-)
-
-
-@pytest.fixture(scope="module")
-def row_moves_interpreted() -> Dict[str, dict]:
-    job = background.get("row_moves_interpreted")
-    if job is None:
-        pytest.skip("needs Triton (pip install triton)")
-    return results(job)
+row_moves_interpreted = interpreted_checks("row_moves_interpreted", __file__)
 
 
 @pytest.mark.parametrize("check", list(WORKER_CHECKS))

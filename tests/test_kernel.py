@@ -24,7 +24,6 @@ batches, plus no host sync and CUDA-graph capture); they skip cleanly without CU
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import sys
 from contextlib import contextmanager
@@ -35,9 +34,8 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from fakes import background
 from fakes.cuda_checks import capture, no_host_sync
-from fakes.interpreter import results, start_checks, worker_main
+from fakes.interpreter import interpreted_checks, worker_main
 from fakes.oracle import (
     KNOWN,
     SAME_ROWS_OTHER_COUNTS,
@@ -779,17 +777,7 @@ WORKER_CHECKS = {
 
 
 # --------------------------------------------------------------------------- tests
-background.STARTERS["interpreter_results"] = lambda folder: (
-    start_checks(__file__, folder) if importlib.util.find_spec("triton") else None
-)
-
-
-@pytest.fixture(scope="module")
-def interpreter_results() -> Dict[str, dict]:
-    job = background.get("interpreter_results")
-    if job is None:
-        pytest.skip("needs Triton (pip install triton)")
-    return results(job)
+interpreter_results = interpreted_checks("interpreter_results", __file__)
 
 
 @pytest.mark.parametrize("check", list(WORKER_CHECKS))

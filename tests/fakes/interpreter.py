@@ -9,6 +9,7 @@ that calls :func:`worker_main`, all its checks in one go (one torch and Triton i
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import site
@@ -18,6 +19,8 @@ import time
 import traceback
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
+
+import pytest
 
 from . import background
 
@@ -92,6 +95,24 @@ def results(job: background.Job) -> Dict[str, dict]:
     proc, out = job.wait(), job.folder / "results.json"
     assert proc.returncode == 0 and out.exists(), f"worker died:\n{proc.stdout}\n{proc.stderr}"
     return json.loads(out.read_text())
+
+
+def interpreted_checks(name: str, test_file: str) -> Callable[[], Dict[str, dict]]:
+    """The module fixture ``name``: ``test_file``'s checks run under the interpreter as the
+    background job ``name`` (:func:`start_checks`), their :func:`results` (skipped without
+    Triton). Bind it in the test file under the same name."""
+    background.STARTERS[name] = lambda folder: (
+        start_checks(test_file, folder) if importlib.util.find_spec("triton") else None
+    )
+
+    @pytest.fixture(scope="module", name=name)
+    def checks_run() -> Dict[str, dict]:
+        job = background.get(name)
+        if job is None:
+            pytest.skip("needs Triton (pip install triton)")
+        return results(job)
+
+    return checks_run
 
 
 def worker_main(checks: Mapping[str, Callable[[], None]]) -> None:
