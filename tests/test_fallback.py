@@ -22,7 +22,7 @@ import torch
 
 from fakes.interpreter import interpreted_checks, worker_main
 from te_gqa_fix import fallback
-from te_gqa_fix._te import OFFSET_NAMES, Args
+from te_gqa_fix._te import OFFSET_NAMES, FallbackArgs
 from te_gqa_fix.errors import InputError
 from te_gqa_fix.fallback._row_moves import move_rows
 from te_gqa_fix.postpass import zero_dead_rows
@@ -226,9 +226,9 @@ def _call(
     return {**call, **extra}
 
 
-def _args(call: Dict[str, Any]) -> Args:
-    """The call's :class:`Args` as the wrapper hands them over (absent names None)."""
-    return Args(**{name: call.get(name) for name in Args._fields})
+def _args(call: Dict[str, Any]) -> FallbackArgs:
+    """The call's :class:`FallbackArgs` as the wrapper hands them over (absent names None)."""
+    return FallbackArgs(**{name: call.get(name) for name in FallbackArgs._fields})
 
 
 def _decide(call: Dict[str, Any]) -> Any:
@@ -705,7 +705,7 @@ def test_calls_picked_from_te_signatures(emulated, version: str, positional: boo
     params = inspect.signature(fake).parameters
     bound = fake(**{k: v for k, v in _call(batch, dqkv_dtype=torch.float32).items() if k in params})
     sig = Signature(fake)
-    a = sig.pick([bound[n] for n in params], {}) if positional else sig.pick((), bound)
+    a = sig.pick_all([bound[n] for n in params], {}) if positional else sig.pick_all((), bound)
     recipe = fallback.decide(a, sig.has_right_bound)
     assert not isinstance(recipe, str), recipe
     _check(batch, bound, fallback.run(recipe, a))

@@ -43,8 +43,8 @@ from fakes.te_outputs import (
 )
 from te_gqa_fix import InputError, OffsetsError, UnrepairableConfiguration, postpass
 from te_gqa_fix import wrapper as wrapper_module
+from te_gqa_fix._te import Args, FallbackArgs
 from te_gqa_fix.wrapper import (
-    Args,
     Signature,
     call_counts,
     chain,
@@ -120,17 +120,19 @@ def _n_positional(cut: object, names: List[str]) -> int:
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("cut", [0, 3, "cp", None], ids=str)
 def test_signature_reads_every_argument_by_name(version: str, cut: object) -> None:
-    """``Signature.pick`` reads each argument te-gqa-fix needs by TE's name, positional,
-    keyword or mixed; a name this release lacks reads None; ``has_right_bound`` is the
-    release's (2.20 passes a right window bound to cuDNN with every mask)."""
+    """``Signature.pick`` and ``pick_all`` read each argument te-gqa-fix needs by TE's
+    name, positional, keyword or mixed; a name this release lacks reads None;
+    ``has_right_bound`` is the release's (2.20 passes a right window bound to cuDNN with
+    every mask)."""
     fake = FakeTE(version)
     arguments = call_arguments(version, RAGGED, window_size=(3, 0), bottom_right_diagonal=True)
     arguments["deterministic"] = True
     args, kwargs = split_call(fake.names, arguments, _n_positional(cut, fake.names))
     sig = Signature(fake.fn)
-    picked = sig.pick(args, kwargs)
-    for name in Args._fields:
-        assert getattr(picked, name) is arguments.get(name), name
+    for picked in (sig.pick(args, kwargs), sig.pick_all(args, kwargs)):
+        for name in picked._fields:
+            assert getattr(picked, name) is arguments.get(name), name
+    assert set(Args._fields) <= set(FallbackArgs._fields)
     assert (picked.dqkv_dtype is None) == (version == "2.20")
     assert (picked.o_format is None) == (version == "2.8")
     assert sig.has_right_bound is (version == "2.20")
@@ -146,7 +148,7 @@ def test_signature_reads_defaults_for_arguments_left_out(version: str) -> None:
         arguments.pop(name, None)
     names = [n for n in fake.names if n in arguments]
     args, kwargs = split_call(names, arguments, names.index("cu_seqlens_q_padded"))
-    picked = Signature(fake.fn).pick(args, kwargs)
+    picked = Signature(fake.fn).pick_all(args, kwargs)
     assert picked.window_size == (-1, -1) and picked.deterministic is False
     assert picked.bottom_right_diagonal is None and picked.q is arguments["q"]
 
@@ -827,13 +829,13 @@ class FakeFallback:
 
         self.reason = reason
         self.backend = FakeBackend(seed=5)
-        self.asked: List[Args] = []
+        self.asked: List[FallbackArgs] = []
         self.recipe = fallback.Recipe((-1, -1), False, True, "thd_thd_thd", False, False,
                                       (False, False))  # fmt: skip
         monkeypatch.setattr(fallback, "decide", lambda a, has_right_bound=True: reason or self.recipe)  # fmt: skip
         monkeypatch.setattr(fallback, "run", self.run)
 
-    def run(self, recipe: Any, a: Args) -> list:
+    def run(self, recipe: Any, a: FallbackArgs) -> list:
         assert self.reason is None and recipe is self.recipe, recipe
         self.asked.append(a)
         call = {k: v for k, v in a._asdict().items() if v is not None or k != "dqkv_layout"}
@@ -989,7 +991,9 @@ def test_fallback_replaces_tes_call(
             assert wrapped(*args, **kwargs) is exact.backend.returned
             _guarded_check(exact.backend)
             picked = exact.asked[i]
-            assert all(getattr(picked, n) is arguments[n] for n in Args._fields if n in arguments)
+            assert all(
+                getattr(picked, n) is arguments[n] for n in FallbackArgs._fields if n in arguments
+            )
     assert fake.backend.calls == [], "TE's function ran"
     (said,) = _warnings(caplog)
     assert "exactly" in said and "slower" in said and "TE_GQA_FIX_CUDNN=auto" in said, said

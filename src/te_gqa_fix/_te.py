@@ -2,9 +2,10 @@
 cuDNN it runs.
 
 Every module that names something of TE takes it from here, the names of the
-``fused_attn_bwd`` arguments te-gqa-fix reads included (:class:`Args`; the wrapper reads a
-call's arguments by name with :class:`te_gqa_fix.wrapper.Signature`). TE is imported only by :func:`fused_attn_module`; the rest
-reads what is already imported, or nothing.
+``fused_attn_bwd`` arguments te-gqa-fix reads included (:class:`Args`, :class:`FallbackArgs`;
+the wrapper reads a call's arguments by name with :class:`te_gqa_fix.wrapper.Signature`).
+TE is imported only by :func:`fused_attn_module`; the rest reads what is already imported,
+or nothing.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = [
     "THD_LAYOUTS",
     "THD_MASKS",
     "Args",
+    "FallbackArgs",
     "fused_attn_module",
     "missing_symbol",
     "release",
@@ -185,40 +187,65 @@ def te_cudnn_version() -> Optional[Tuple[int, int, int]]:
 
 
 class Args(NamedTuple):
-    """The arguments of one ``fused_attn_bwd`` call that te-gqa-fix reads, by TE's names.
+    """The arguments of one ``fused_attn_bwd`` call that every call reads, by TE's names:
+    its decision (the call key), the input gate and the post-pass read these alone, so a
+    call passed through reads nothing more. :class:`FallbackArgs` adds what the exact
+    fallback reads.
 
-    A name the installed release's signature lacks reads as None: ``o_format``,
-    ``do_format``, ``dqkv_layout`` (TE < 2.20: as ``qkv_layout`` says), ``dqkv_dtype``
-    (TE >= 2.20), ``bottom_right_diagonal`` (TE < 2.10: by mask name). ``dqkv_layout``
-    also reads None where a call leaves it out: ``qkv_layout`` then names the gradients'
-    layout (TE's default, ``sbh3d``, is not THD; with THD inputs it is the caller's slip).
+    A name the installed release's signature lacks reads as None: ``dqkv_layout`` (TE <
+    2.20: as ``qkv_layout`` says), ``bottom_right_diagonal`` (TE < 2.10: by mask name).
+    ``dqkv_layout`` also reads None where a call leaves it out: ``qkv_layout`` then names
+    the gradients' layout (TE's default, ``sbh3d``, is not THD; with THD inputs it is the
+    caller's slip).
     """
 
     q: Any
     k: Any
     v: Any
-    o: Any
-    d_o: Any
-    aux_ctx_tensors: Any
     cu_seqlens_q: Any
     cu_seqlens_kv: Any
     cu_seqlens_q_padded: Any
     cu_seqlens_kv_padded: Any
+    qkv_layout: Any
+    dqkv_layout: Any
+    attn_mask_type: Any
+    window_size: Any
+    bottom_right_diagonal: Any
+
+
+class FallbackArgs(NamedTuple):
+    """Every argument of one ``fused_attn_bwd`` call that te-gqa-fix reads, by TE's names:
+    :class:`Args`, and what the exact fallback reads besides (read only where it runs).
+
+    A name the installed release's signature lacks reads as None, as in :class:`Args`, and
+    ``o_format``, ``do_format`` (TE < 2.20), ``dqkv_dtype`` (TE >= 2.20).
+    """
+
+    q: Any
+    k: Any
+    v: Any
+    cu_seqlens_q: Any
+    cu_seqlens_kv: Any
+    cu_seqlens_q_padded: Any
+    cu_seqlens_kv_padded: Any
+    qkv_layout: Any
+    dqkv_layout: Any
+    attn_mask_type: Any
+    window_size: Any
+    bottom_right_diagonal: Any
+    o: Any
+    d_o: Any
+    aux_ctx_tensors: Any
     max_seqlen_q: Any
     max_seqlen_kv: Any
     attn_scale: Any
     dropout: Any
     fake_dtype: Any
     dqkv_dtype: Any
-    qkv_layout: Any
     o_format: Any
     do_format: Any
-    dqkv_layout: Any
     attn_bias_type: Any
-    attn_mask_type: Any
     softmax_type: Any
-    window_size: Any
-    bottom_right_diagonal: Any
     deterministic: Any
     s_quantizer: Any
     dp_quantizer: Any

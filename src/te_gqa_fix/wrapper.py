@@ -32,13 +32,13 @@ import functools
 import inspect
 import logging
 import operator
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from . import _te, checks, postpass, rules, settings
 from ._logging import log_once, logger
-from ._te import LAYOUTS, SYMBOL, Args
+from ._te import LAYOUTS, SYMBOL, Args, FallbackArgs
 from .errors import InputError, UnrepairableConfiguration
 from .masks import KeySpan, key_span
 
@@ -86,11 +86,60 @@ def chain(fn: object) -> List[Any]:
 
 
 # -------------------------------------------------------------------------- arguments
-_new_args = tuple.__new__  # Args from a tuple in field order, without a Python frame
+_new_tuple = tuple.__new__  # a NamedTuple from a tuple in field order, without a Python frame
+
+
+class _Reader:
+    """Reads the fields of one NamedTuple of TE's argument names from calls of one signature."""
+
+    __slots__ = ("_cls", "_fast", "_need", "_slots", "_tail")
+
+    def __init__(self, cls: type, params: Mapping[str, inspect.Parameter]) -> None:
+        names = cls._fields  # type: ignore[attr-defined]
+        plist = list(params.values())
+        positions = {p.name: i for i, p in enumerate(plist) if p.kind != p.KEYWORD_ONLY}
+        defaults = {p.name: p.default for p in plist if p.default is not p.empty}
+        defaults.pop("dqkv_layout", None)  # left out: qkv_layout names it (see Args)
+        self._cls = cls
+        self._slots = [(n, positions.get(n), defaults.get(n)) for n in names]
+        self._fast: Optional[Callable[[tuple], tuple]] = None
+        self._need = 0
+        self._tail: tuple = ()
+        present = [n for n in names if n in params]
+        if all(n in positions for n in present):
+            # A call that passes every present name by position: one C call. Names the
+            # signature lacks index into a tail of Nones appended to the arguments.
+            absent = [n for n in names if n not in params]
+            self._tail = (None,) * len(absent)
+            where = {n: -(len(absent) - i) for i, n in enumerate(absent)}
+            self._fast = operator.itemgetter(
+                *(positions[n] if n in positions else where[n] for n in names)
+            )
+            self._need = max((positions[n] for n in present), default=-1) + 1
+
+    def read(self, args: Sequence, kwargs: Dict[str, Any]) -> Any:
+        if self._fast is not None and not kwargs and len(args) >= self._need:
+            return _new_tuple(self._cls, self._fast(tuple(args) + self._tail))
+        n_args = len(args)
+        return _new_tuple(
+            self._cls,
+            [
+                kwargs[n] if n in kwargs else args[i] if i is not None and i < n_args else d
+                for n, i, d in self._slots
+            ],
+        )
 
 
 class Signature:
-    """Name-based access to the arguments of calls to one function (TE's signature)."""
+    """Name-based access to the arguments of calls to one function (TE's signature).
+
+    Attributes:
+        pick: ``pick(args, kwargs)``, the :class:`~te_gqa_fix._te.Args` of one call (what
+            every call reads), defaults where not given.
+        pick_all: ``pick_all(args, kwargs)``, its :class:`~te_gqa_fix._te.FallbackArgs`
+            (what the fallback reads too).
+        has_right_bound: TE >= 2.12 passes a right window bound to cuDNN with every mask.
+    """
 
     def __init__(self, fn: Callable) -> None:
         """Read ``fn``'s signature.
@@ -101,50 +150,14 @@ class Signature:
         Raises:
             TypeError: a signature with ``*args`` or ``**kwargs`` (not readable by name).
         """
-        sig = inspect.signature(fn)
-        params = list(sig.parameters.values())
-        if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+        params = inspect.signature(fn).parameters
+        if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()):
             raise TypeError("a signature with *args or **kwargs cannot be read by name")
-        positions = {p.name: i for i, p in enumerate(params) if p.kind != p.KEYWORD_ONLY}
-        defaults = {p.name: p.default for p in params if p.default is not p.empty}
-        defaults.pop("dqkv_layout", None)  # left out: qkv_layout names it (see Args)
-        #: TE >= 2.12 passes a right window bound to cuDNN with every mask.
-        self.has_right_bound = "bottom_right_diagonal" in sig.parameters
-        self._slots = [(n, positions.get(n), defaults.get(n)) for n in Args._fields]
-        self._fast: Optional[Callable[[tuple], tuple]] = None
-        self._need = 0
-        self._tail: tuple = ()
-        present = [n for n in Args._fields if n in sig.parameters]
-        if all(n in positions for n in present):
-            # A call that passes every present name by position: one C call. Names the
-            # signature lacks index into a tail of Nones appended to the arguments.
-            absent = [n for n in Args._fields if n not in sig.parameters]
-            self._tail = (None,) * len(absent)
-            where = {n: -(len(absent) - i) for i, n in enumerate(absent)}
-            self._fast = operator.itemgetter(
-                *(positions[n] if n in positions else where[n] for n in Args._fields)
-            )
-            self._need = max((positions[n] for n in present), default=-1) + 1
-
-    def pick(self, args: Sequence, kwargs: Dict[str, Any]) -> Args:
-        """The :class:`Args` of one call (defaults where not given).
-
-        Args:
-            args, kwargs: the call's positional and keyword arguments.
-
-        Returns:
-            The arguments by name.
-        """
-        if self._fast is not None and not kwargs and len(args) >= self._need:
-            return _new_args(Args, self._fast(tuple(args) + self._tail))
-        n_args = len(args)
-        return _new_args(
-            Args,
-            [
-                kwargs[n] if n in kwargs else args[i] if i is not None and i < n_args else d
-                for n, i, d in self._slots
-            ],
-        )
+        self.has_right_bound = "bottom_right_diagonal" in params
+        self.pick: Callable[[Sequence, Dict[str, Any]], Args] = _Reader(Args, params).read
+        self.pick_all: Callable[[Sequence, Dict[str, Any]], FallbackArgs] = _Reader(
+            FallbackArgs, params
+        ).read
 
 
 # ----------------------------------------------------------------------------- counts
@@ -245,10 +258,9 @@ def _device_index(q: object) -> Optional[int]:
 
 
 def _call_key(policy: str, guard: str, a: Args) -> Optional[tuple]:
-    """Every fact :func:`_decide` and the fallback's recipe read from a call's scalars and
-    q/k/v shapes; None when q, k or v is not a plain tensor (the call is decided anew).
-    What only acting calls read is keyed apart (:func:`_inputs_key`), so a call passed
-    through reads nothing more."""
+    """Every fact :func:`_decide` reads from a call: its scalars and the q/k/v shapes; None
+    when q, k or v is not a plain tensor (the call is decided anew). What only acting calls
+    read is keyed apart (:func:`_inputs_key`), so a call passed through reads nothing more."""
     q, k, v, window = a.q, a.k, a.v, a.window_size
     T = _Tensor
     if type(q) is not T or type(k) is not T or type(v) is not T:
@@ -261,11 +273,7 @@ def _call_key(policy: str, guard: str, a: Args) -> Optional[tuple]:
         policy, guard, q.get_device() if q.is_cuda else None, q.dtype, shapes,
         a.cu_seqlens_q is a.cu_seqlens_kv, a.cu_seqlens_q_padded is a.cu_seqlens_kv_padded,
         a.attn_mask_type, tuple(window) if type(window) is list else window,
-        a.bottom_right_diagonal, a.qkv_layout, a.dqkv_layout, a.o_format, a.do_format,
-        a.dropout, a.attn_bias_type, a.softmax_type, a.deterministic, a.fake_dtype,
-        a.dqkv_dtype,
-        a.s_quantizer is None and a.dp_quantizer is None and a.dqkv_quantizer is None,
-        type(a.max_seqlen_q) is int and type(a.max_seqlen_kv) is int,
+        a.bottom_right_diagonal, a.qkv_layout, a.dqkv_layout,
     )  # fmt: skip
 
 
@@ -279,11 +287,9 @@ def _same_memory(a: object, b: object) -> bool:
     )
 
 
-def _inputs_key(a: Args, fallback: bool) -> Optional[tuple]:
+def _inputs_key(a: Union[Args, FallbackArgs]) -> Optional[tuple]:
     """What the inputs' check reads beyond the call key, and what a post-pass launch reads
-    of the offsets; for the fallback also the metadata of ``k``, ``v`` (their dtypes),
-    ``d_o``, ``o`` and TE's softmax statistics and which offsets share memory. None when a
-    value cannot be keyed (the check then runs on every call)."""
+    of the offsets. None when a value cannot be keyed (the check then runs on every call)."""
     q, k, v, cu_q, cu_kv, pad_q, pad_kv = (
         a.q, a.k, a.v, a.cu_seqlens_q, a.cu_seqlens_kv, a.cu_seqlens_q_padded,
         a.cu_seqlens_kv_padded,
@@ -294,18 +300,29 @@ def _inputs_key(a: Args, fallback: bool) -> Optional[tuple]:
         and (pad_q is None or type(pad_q) is T) and (pad_kv is None or type(pad_kv) is T)
     ):  # fmt: skip
         return None
-    key = (
+    return (
         q.device, k.device, v.device,
         cu_q.dtype, cu_q.shape, cu_q.device, cu_kv.dtype, cu_kv.shape, cu_kv.device,
         None if pad_q is None else (pad_q.dtype, pad_q.shape, pad_q.device),
         None if pad_kv is None else (pad_kv.dtype, pad_kv.shape, pad_kv.device),
     )  # fmt: skip
-    if not fallback:
-        return key
+
+
+def _fallback_inputs_key(a: FallbackArgs) -> Optional[tuple]:
+    """:func:`_inputs_key`, and every other fact the fallback's recipe reads: the scalars
+    the call key leaves out, the metadata of ``k``, ``v`` (their dtypes), ``d_o``, ``o`` and
+    TE's softmax statistics, and which offsets share memory."""
+    key = _inputs_key(a)
+    if key is None:
+        return None
+    T = _Tensor
+    cu_q, cu_kv, pad_q, pad_kv = (
+        a.cu_seqlens_q, a.cu_seqlens_kv, a.cu_seqlens_q_padded, a.cu_seqlens_kv_padded,
+    )  # fmt: skip
     aux = a.aux_ctx_tensors
     stats = aux[0] if type(aux) in (list, tuple) and aux else None
     extra = []
-    for t in (k, v, a.d_o, a.o, stats):
+    for t in (a.k, a.v, a.d_o, a.o, stats):
         extra.append((t.dtype, t.shape, t.device) if type(t) is T else type(t))
     # What the recipe reads of the offsets' memory (the same tensor, as TE passes them, costs
     # no data_ptr read): one for q and kv, one padded, each side's sequences back to back.
@@ -313,7 +330,13 @@ def _inputs_key(a: Args, fallback: bool) -> Optional[tuple]:
     one_padded = pad_q is pad_kv or _same_memory(pad_q, pad_kv)
     back_q = pad_q is None or pad_q is cu_q or _same_memory(pad_q, cu_q)
     back_kv = pad_kv is None or pad_kv is cu_kv or _same_memory(pad_kv, cu_kv)
-    return (*key, *extra, one_offsets, one_padded, back_q, back_kv)
+    return (
+        *key, *extra, one_offsets, one_padded, back_q, back_kv,
+        a.o_format, a.do_format, a.dropout, a.attn_bias_type, a.softmax_type,
+        a.deterministic, a.fake_dtype, a.dqkv_dtype,
+        a.s_quantizer is None and a.dp_quantizer is None and a.dqkv_quantizer is None,
+        type(a.max_seqlen_q) is int and type(a.max_seqlen_kv) is int,
+    )  # fmt: skip
 
 
 def _shape(t: object) -> Optional[tuple]:
@@ -338,7 +361,7 @@ def stack_facts(
     return facts
 
 
-def _decide(policy: str, guard: str, a: Args, sig: Signature) -> Optional[Decision]:
+def _decide(policy: str, guard: str, a: Args) -> Optional[Decision]:
     """The :class:`Decision` for one call shape, from the facts of its call key alone;
     None: not understood (logged). Malformed mask arguments give the conservative span
     (TE validated them), logged once."""
@@ -404,12 +427,18 @@ def _wrong_here(capability, cudnn, d_qk: int, d_v: int) -> str:
     )
 
 
-def _prepared(decision: Decision, a: Args) -> Prepared:
+def _prepared(decision: Decision, a: Union[Args, FallbackArgs]) -> Prepared:
     """The :class:`Prepared` of this call's inputs: checked once per inputs key before TE
-    runs (:class:`~te_gqa_fix.errors.InputError` naming the argument)."""
-    fallback = decision.fallback is not None
-    key = _inputs_key(a, fallback)
-    found = None if key is None else decision.prepared.get(key)
+    runs (:class:`~te_gqa_fix.errors.InputError` naming the argument). ``a``: the call's
+    :class:`FallbackArgs` where the fallback runs, else its :class:`Args`."""
+    if decision.fallback is not None:
+        key = _fallback_inputs_key(a)  # type: ignore[arg-type]
+    else:
+        key = _inputs_key(a)
+    try:
+        found = None if key is None else decision.prepared.get(key)
+    except TypeError:  # an unhashable argument: checked and prepared without the cache
+        key, found = None, None
     if found is not None:
         return found
     sq, sk = _shape(a.q), _shape(a.k)
@@ -425,7 +454,9 @@ def _prepared(decision: Decision, a: Args) -> Prepared:
     return found
 
 
-def _fallback(decision: Decision, prepared: Prepared, a: Args, has_right_bound: bool) -> Any:
+def _fallback(
+    decision: Decision, prepared: Prepared, a: FallbackArgs, has_right_bound: bool
+) -> Any:
     """The exact fallback's output for this call; UnrepairableConfiguration where it
     declines the call."""
     recipe = prepared.recipe
@@ -468,7 +499,9 @@ def _check_outputs(dq: Any, dk: Any, dv: Any, offsets: tuple) -> None:
     checks.disjoint(named)
 
 
-def _zero(decision: Decision, prepared: Prepared, a: Args, out: Any, validate: str) -> bool:
+def _zero(
+    decision: Decision, prepared: Prepared, a: Union[Args, FallbackArgs], out: Any, validate: str
+) -> bool:
     """The post-pass on ``out`` (TE's or the fallback's); False when ``out`` is not
     gradients it can zero (passed through untouched, logged once)."""
     if type(out) not in (list, tuple) or len(out) < 3:
@@ -521,7 +554,7 @@ def _new_wrapper(original: Callable) -> Callable:
         except TypeError:  # an unhashable argument: decide without the cache
             key, decision = None, None
         if decision is None:
-            decision = _decide(policy, guard, a, sig)
+            decision = _decide(policy, guard, a)
             if decision is None:
                 return original(*args, **kwargs)
             if key is not None:
@@ -529,13 +562,15 @@ def _new_wrapper(original: Callable) -> Callable:
         if decision.passes:
             _counts[_SKIPPED] += 1
             return original(*args, **kwargs)
-        prepared = _prepared(decision, a)
         run = decision.action.run
         if run == "fallback":
-            out = _fallback(decision, prepared, a, has_right_bound)
-            if _zero(decision, prepared, a, out, validate):
+            every = sig.pick_all(args, kwargs)
+            prepared = _prepared(decision, every)
+            out = _fallback(decision, prepared, every, has_right_bound)
+            if _zero(decision, prepared, every, out, validate):
                 _counts[_FALLBACK] += 1
             return out
+        prepared = _prepared(decision, a)
         if run == "raise":
             raise UnrepairableConfiguration(f"{decision.message} (TE_GQA_FIX_GUARD=strict)")
         if run == "warn":

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from te_gqa_fix import UnrepairableConfiguration, fallback, rules
-from te_gqa_fix._te import Args
+from te_gqa_fix._te import FallbackArgs
 from te_gqa_fix.postpass import zero_dead_rows
 from thd import (
     ThdBatch,
@@ -67,7 +67,8 @@ def _batch(case: str, heads, dims, seed: int = 0) -> ThdBatch:
 def _declined(call: Dict[str, Any]) -> Optional[str]:
     """Why the fallback declines this call (None: it serves it), as the wrapper asks."""
     recipe = fallback.decide(
-        Args(**{name: call.get(name) for name in Args._fields}), "bottom_right_diagonal" in call
+        FallbackArgs(**{name: call.get(name) for name in FallbackArgs._fields}),
+        "bottom_right_diagonal" in call,
     )
     return recipe if isinstance(recipe, str) else None
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from .. import checks
 from .._logging import log_once
-from .._te import MASKS, PACKED, THD_LAYOUTS, THD_MASKS, Args, release
+from .._te import MASKS, PACKED, THD_LAYOUTS, THD_MASKS, FallbackArgs, release
 from ..masks import window_pair
 from ._row_moves import move_rows
 
@@ -93,7 +93,9 @@ def _plain(t: object) -> bool:
     return type(t) is torch.Tensor
 
 
-def _mask_reason(a: Args, has_right_bound: bool) -> Union[str, Tuple[Tuple[int, int], bool]]:
+def _mask_reason(
+    a: FallbackArgs, has_right_bound: bool
+) -> Union[str, Tuple[Tuple[int, int], bool]]:
     """FlashAttention-2's window for TE's mask and whether it is top-left causal across two
     offsets tensors (:attr:`Recipe.split`), or why FlashAttention-2 cannot reproduce it."""
     name = "padding" if a.attn_mask_type is None else a.attn_mask_type
@@ -124,7 +126,7 @@ def _mask_reason(a: Args, has_right_bound: bool) -> Union[str, Tuple[Tuple[int, 
     return f"top-left window_size={window!r} across two offset tensors (q, kv)"
 
 
-def _tensor_reason(a: Args) -> Optional[str]:
+def _tensor_reason(a: FallbackArgs) -> Optional[str]:
     """Why the tensors are not ones FlashAttention-2 takes, beyond what the input gate
     (:func:`te_gqa_fix.checks.gradients`) checked of q, k, v and the offsets already."""
     named = (("q", a.q), ("k", a.k), ("v", a.v), ("d_o", a.d_o))
@@ -158,7 +160,7 @@ def _tensor_reason(a: Args) -> Optional[str]:
     return None
 
 
-def _stats_reusable(a: Args) -> bool:
+def _stats_reusable(a: FallbackArgs) -> bool:
     """TE's softmax statistics are ``[t >= rows_q, h_q, 1]`` float32 and its output ``o`` is
     q's rows with v's head dim: FlashAttention-2's backward can take both as they are."""
     q, v, o = a.q, a.v, a.o
@@ -173,7 +175,7 @@ def _stats_reusable(a: Args) -> bool:
     )  # fmt: skip
 
 
-def decide(a: Args, has_right_bound: bool = True) -> Union[Recipe, str]:
+def decide(a: FallbackArgs, has_right_bound: bool = True) -> Union[Recipe, str]:
     """How :func:`run` serves calls like this one, or why it cannot (metadata only).
 
     Args:
@@ -315,7 +317,7 @@ def _segments(
     return _varlen_offsets(start, start + (cu[1:] - cu[:-1]), rows)
 
 
-def _bounds(a: Args) -> Tuple[int, int]:
+def _bounds(a: FallbackArgs) -> Tuple[int, int]:
     """FlashAttention-2's ``max_q``, ``max_k`` from TE's bounds. It takes a window of at
     least ``max_k`` as unbounded: exact when ``max_k`` bounds every query and key count.
     A ``max_q`` of 1 would switch it to a decode layout."""
@@ -404,7 +406,7 @@ def _pack(layout: str, grads: Tuple[torch.Tensor, ...]) -> List[torch.Tensor]:
     return [*grads[:first], *torch.stack(grads[first:], dim).unbind(dim)]
 
 
-def _top_left_in_one_call(f: _Flash, a: Args, recipe: Recipe, out, lse) -> tuple:
+def _top_left_in_one_call(f: _Flash, a: FallbackArgs, recipe: Recipe, out, lse) -> tuple:
     """Top-left causal across two offsets tensors, on TE's statistics, in one call.
 
     Query i of a sequence sees keys j <= i with j < lk. FlashAttention-2 aligns its causal
@@ -427,7 +429,7 @@ def _top_left_in_one_call(f: _Flash, a: Args, recipe: Recipe, out, lse) -> tuple
     return dq, dk, dv
 
 
-def run(recipe: Recipe, a: Args) -> List[Optional[torch.Tensor]]:
+def run(recipe: Recipe, a: FallbackArgs) -> List[Optional[torch.Tensor]]:
     """What TE's ``fused_attn_bwd`` returns for these arguments, computed with
     FlashAttention-2.
 
@@ -513,7 +515,7 @@ def exact_backward(call: Mapping[str, Any]) -> List[Optional[torch.Tensor]]:
         InputError: malformed q, k, v or offsets (the input gate, as the wrapper checks them).
         ValueError: when :func:`decide` declines the call, with its reason.
     """
-    a = Args(**{name: call.get(name) for name in Args._fields})
+    a = FallbackArgs(**{name: call.get(name) for name in FallbackArgs._fields})
     offsets = (a.cu_seqlens_q, a.cu_seqlens_kv, a.cu_seqlens_q_padded, a.cu_seqlens_kv_padded)
     checks.gradients(a.q, a.k, a.v, *offsets, names=("q", "k", "v"))
     recipe = decide(a, "bottom_right_diagonal" in call)
