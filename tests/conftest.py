@@ -29,6 +29,24 @@ if _HERE not in sys.path:  # ``fakes`` is imported by name (also from the fake T
 
 from fakes import background, te_package  # noqa: E402
 
+
+def _import_without_assertion_rewriting(name: str) -> None:
+    """Import ``name`` with pytest's assertion rewriting off for it. pytest rewrites every
+    module of a distribution that registers a pytest plugin, hypothesis's ~100 among them,
+    and with PYTHONDONTWRITEBYTECODE set (as on the project's machines) it caches nothing:
+    1.3 s of every run, before any test, for asserts that are hypothesis's internal
+    invariants, not tests. The tests' own modules are rewritten as before."""
+    rewriters = [h for h in sys.meta_path if type(h).__name__ == "AssertionRewritingHook"]
+    for hook in rewriters:
+        sys.meta_path.remove(hook)
+    try:
+        importlib.import_module(name)
+    finally:
+        sys.meta_path[:0] = rewriters
+
+
+_import_without_assertion_rewriting("hypothesis.strategies")
+
 # One intra-op thread: the tests' tensors are small, and the background jobs (below) and
 # other processes hold the other core, so torch's pool of one thread a core made every
 # small op wait for a descheduled thread (a softmax of 4 x 9 x 9: 3 us alone, 8 ms so).
