@@ -307,6 +307,10 @@ SEED_CASE = dict(
 WIDE_CASE = dict(SEED_CASE, layout="th2d", h_q=4, h_kv=2, d=64, d_v=64, mask="padding")
 #: dK two column tiles wide, dV one (q/k head dim 128, v 64): each gets its own tile count.
 WIDE_KEYS_CASE = dict(WIDE_CASE, layout="separate", d=128)
+#: The two for the "once" path's 8-element tiles, at 1/4 and 1/8 of the width: still dQ in
+#: 4 shares and dK/dV in 2 of 2 tiles each, dV half of dK's tiles, more units than programs.
+#: At full width they made 48 and 96 units, 4 of the interpreter's 20 s.
+NARROW_WIDE_CASES = (dict(WIDE_CASE, d=16, d_v=16), dict(WIDE_KEYS_CASE, d=16, d_v=8))
 CP_CASE = dict(
     lq=[3, 0, 5, 1, 0, 4], lk=[6, 4, 10, 0, 3, 8], padded=True, gaps_q=[1, 2, 1, 1, 2, 0],
     gaps_kv=[0, 0, 0, 0, 2, 0], lead=0, tail_q=5, tail_kv=3, layout="t2hd", h_q=4, h_kv=2,
@@ -360,10 +364,13 @@ def many_case(nseq: int, seed: int, **changes: Any) -> Dict[str, Any]:
     return case
 
 
-def check_fixed(device: str, grid: Iterator[Dict[str, Any]]) -> None:
-    """The fixed cases, and rows the kernel must actually zero (or the comparison proves
-    little). Seed batch: seq 0 (rows 0-3) has no queries; seq 1 has lq 3, lk 6 at rows 4-11."""
-    for case in (SEED_CASE, WIDE_CASE, WIDE_KEYS_CASE, CP_CASE, *grid):
+def check_fixed(
+    device: str, grid: Iterator[Dict[str, Any]], wide: tuple = (WIDE_CASE, WIDE_KEYS_CASE)
+) -> None:
+    """The fixed cases (``wide``: the wide ones), and rows the kernel must actually zero (or
+    the comparison proves little). Seed batch: seq 0 (rows 0-3) has no queries; seq 1 has
+    lq 3, lk 6 at rows 4-11."""
+    for case in (SEED_CASE, *wide, CP_CASE, *grid):
         run_case(case, device)
     # Offsets as strided views (every other element): the launch reads them contiguous.
     cu_q, cu_kv, pad = (torch.tensor(x, dtype=torch.int32, device=device).repeat_interleave(2)[::2]
@@ -453,7 +460,9 @@ def _check_fixed(path: str) -> None:
     the cheapest under the interpreter) and on the binary search (its own key bounds)."""
     grid = fixed_grid(full=False) if path in ("default", "search") else iter(())
     with kernel_path(path) as launches:
-        check_fixed("cpu", grid)
+        check_fixed(
+            "cpu", grid, NARROW_WIDE_CASES if path == "once" else (WIDE_CASE, WIDE_KEYS_CASE)
+        )
     if path != "default":
         assert any(p.scalars[9] > 1 for p in launches), "no program ran several units"
     if path == "chunks":
