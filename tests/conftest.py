@@ -161,12 +161,21 @@ def hook(monkeypatch: pytest.MonkeyPatch):
     return boot
 
 
-# Slow subprocesses (tests/fakes/background.py): started once collection is over, read by
-# tests that run last, so that they use the second core meanwhile.
+# Slow subprocesses (tests/fakes/background.py): each starts as soon as a test that reads
+# it is collected, on the core collection leaves idle (the job of test_kernel.py, the run's
+# longest, some 2 s sooner than at the end of collection), and is read by tests that run
+# last, so that the jobs use the second core meanwhile. A job no selected test reads (-k,
+# -m) is ended when collection is over.
 
 
 def _jobs(item: pytest.Item) -> list:
     return [name for name in getattr(item, "fixturenames", ()) if name in background.STARTERS]
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    if not item.config.option.collectonly:
+        for name in _jobs(item):
+            background.get(name)
 
 
 @pytest.hookimpl(trylast=True)
@@ -176,7 +185,10 @@ def pytest_collection_modifyitems(items: list) -> None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     if not session.config.option.collectonly:
-        for name in {name for item in session.items for name in _jobs(item)}:
+        needed = {name for item in session.items for name in _jobs(item)}
+        for name in set(background.started()) - needed:
+            background.stop(name)
+        for name in needed:
             background.get(name)
     gc.freeze()  # see gc.freeze() above
 

@@ -1,10 +1,11 @@
 """The CPU suite's slow subprocesses, run on the second core while the other tests run.
 
 A test module registers a starter under the name of the fixture that reads its result
-(:data:`STARTERS`). When collection ends, ``tests/conftest.py`` starts every job a selected
-test needs and moves those tests to the end of the run; the fixture waits for its job
-(:func:`get`, which also starts a job no hook started). A subprocess check stays what it
-was: only when it runs moves.
+(:data:`STARTERS`). ``tests/conftest.py`` starts a job as soon as a test that needs it is
+collected, ends those no selected test needs when collection ends, and moves the tests that
+read them to the end of the run; the fixture waits for its job (:func:`get`, which also
+starts a job no hook started). A subprocess check stays what it was: only when it runs
+moves.
 
 No process of a job outlives it (issue #51). torchrun starts each worker in a session of
 its own, so ending torchrun's process group leaves the workers running, adopted by PID 1.
@@ -160,6 +161,21 @@ def get(name: str) -> Optional[Job]:
         if _JOBS[name] is None:
             shutil.rmtree(folder)
     return _JOBS[name]
+
+
+def started() -> List[str]:
+    """The fixture names whose jobs :func:`get` started (or found unable to run)."""
+    return list(_JOBS)
+
+
+def stop(name: str) -> None:
+    """End the job of fixture ``name`` (and its processes), and remove it."""
+    job = _JOBS.pop(name, None)
+    if job is not None:
+        job.kill()
+        for f in job._files:
+            f.close()
+        shutil.rmtree(job.folder, ignore_errors=True)
 
 
 def stop_all() -> None:
