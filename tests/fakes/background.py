@@ -94,24 +94,27 @@ def kill_marked(token: str) -> None:
 NICE = 10
 
 
-def _lower(pid: int) -> None:
-    """Lower a job's process (just started) by :data:`NICE`: its session's group, which is
+def _lower(pid: int, nice: int) -> None:
+    """Lower a job's process (just started) by ``nice``: its session's group, which is
     what counts between sessions where Linux groups them (autogroup), and the process, which
     counts elsewhere and is inherited by what it starts."""
     try:
-        Path(f"/proc/{pid}/autogroup").write_text(str(NICE))
+        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
     except OSError:  # no autogroup here
         pass
     try:
-        os.setpriority(os.PRIO_PROCESS, pid, NICE)
+        os.setpriority(os.PRIO_PROCESS, pid, nice)
     except OSError:  # gone already: nothing to lower
         pass
 
 
 class Job:
-    """One subprocess and everything it starts, its output kept in files of ``folder``."""
+    """One subprocess and everything it starts, its output kept in files of ``folder``, run
+    ``nice`` below the tests (:data:`NICE`)."""
 
-    def __init__(self, cmd: List[str], folder: Path, timeout: float, **popen: Any) -> None:
+    def __init__(
+        self, cmd: List[str], folder: Path, timeout: float, nice: int = NICE, **popen: Any
+    ) -> None:
         self.folder, self.timeout = folder, timeout
         self.token = uuid.uuid4().hex
         env = dict(popen.pop("env", None) or os.environ, **{MARK: self.token})
@@ -122,7 +125,7 @@ class Job:
         )  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=self._files[0], stderr=self._files[1],
                                      text=True, start_new_session=True, env=env, **popen)  # fmt: skip
-        _lower(self.proc.pid)
+        _lower(self.proc.pid, nice)
         _LIVE.append(self)
 
     def wait(self) -> subprocess.CompletedProcess:
