@@ -52,12 +52,23 @@ _import_without_assertion_rewriting("hypothesis.strategies")
 # small op wait for a descheduled thread (a softmax of 4 x 9 x 9: 3 us alone, 8 ms so).
 torch.set_num_threads(1)
 
-# What is alive once torch and the package are imported, and again once collection is over
-# (the test modules, the items), lives for the whole session: out of the collector's sight
+# What is alive once torch and the package are imported, again once collection is over
+# (the test modules, the items), and after each test file (what its tests left: caches,
+# imported modules) mostly lives for the whole session: out of the collector's sight
 # (gc.freeze), a full collection no longer walks it. It walked up to ~400,000 objects each
 # time, some 20 times a run and 5 more at exit (pytest's unraisable-exception check): 6-9 s
-# of the main process. What the tests make is collected as before.
+# of the main process. What each file's tests make is collected as before, and what they
+# leave unreachable is collected before it is frozen.
 gc.freeze()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: Optional[pytest.Item]):
+    result = yield
+    if nextitem is None or nextitem.path != item.path:  # the file's fixtures are gone too
+        gc.collect()
+        gc.freeze()
+    return result
 
 
 @pytest.fixture(autouse=True)
