@@ -60,14 +60,19 @@ SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[Heal
 
 # --------------------------------------------------------------------------- strategies
 small = st.integers(0, 3)
+#: The strategies a draw of :func:`raggeds` uses, made once: hypothesis checks every new
+#: strategy object (what it draws from, whether it can be empty) at its first draw, which
+#: cost more than the test itself when each draw made its own.
+_LENGTHS = {n: st.one_of(st.just(0), st.integers(0, n)) for n in range(7)}
+_GAP_LISTS = [st.lists(small, min_size=n, max_size=n) for n in range(7)]
 
 
 @st.composite
 def raggeds(draw: st.DrawFn, max_seqs: int = 6, max_len: int = 6) -> Ragged:
     n = draw(st.integers(0, max_seqs))
-    length = st.one_of(st.just(0), st.integers(0, max_len))
+    length = _LENGTHS[max_len]
     pairs = [(draw(length), draw(length)) for _ in range(n)]
-    gap_list = st.lists(small, min_size=n, max_size=n)
+    gap_list = _GAP_LISTS[n]
     return make_ragged(
         pairs,
         padded=draw(st.booleans()),
