@@ -292,14 +292,15 @@ def attention_mask(lq: int, lk: int, batch: ThdBatch) -> torch.Tensor:
 
 
 def reference_attention(
-    batch: ThdBatch, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    batch: ThdBatch, dtype: torch.dtype = torch.float32, device: str = "cpu", grads: bool = True
 ) -> Dict[str, torch.Tensor]:
     """Per-sequence softmax attention and its autograd gradients in ``dtype``.
 
     Returns:
         ``o, dq, dk, dv`` laid out like TE's buffers, and ``lse`` ``[rows_q, heads_q]``, each
         query's log-sum-exp of its scaled scores (TE's softmax statistics); rows outside
-        sequences, and queries without keys, get 0.
+        sequences, and queries without keys, get 0. ``grads`` False: the forward alone,
+        ``o`` and ``lse`` (no backward is run).
     """
     t = {
         k: batch.tensors[k].detach().to(device=device, dtype=dtype) for k in ("q", "k", "v", "d_o")
@@ -311,20 +312,23 @@ def reference_attention(
     for sq, sk, lq, lk in zip(batch.pad_q, batch.pad_kv, batch.lq, batch.lk):
         if lq == 0 or lk == 0:
             continue
-        q = t["q"][sq : sq + lq].clone().requires_grad_(True)
-        k = t["k"][sk : sk + lk].clone().requires_grad_(True)
-        v = t["v"][sk : sk + lk].clone().requires_grad_(True)
+        q = t["q"][sq : sq + lq].clone().requires_grad_(grads)
+        k = t["k"][sk : sk + lk].clone().requires_grad_(grads)
+        v = t["v"][sk : sk + lk].clone().requires_grad_(grads)
         scores = torch.einsum("ihd,jhd->hij", q, k.repeat_interleave(group, dim=1)) * scale
         allowed = attention_mask(lq, lk, batch).to(device)
         scores = scores.masked_fill(~allowed, float("-inf"))
         lse[sq : sq + lq] = torch.logsumexp(scores, -1).t().detach().nan_to_num(0.0, 0.0, 0.0)
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
         out = torch.einsum("hij,jhd->ihd", probs, v.repeat_interleave(group, dim=1))
-        out.backward(t["d_o"][sq : sq + lq])
         o[sq : sq + lq] = out.detach()
-        dq[sq : sq + lq] = q.grad
-        dk[sk : sk + lk] = k.grad
-        dv[sk : sk + lk] = v.grad
+        if grads:
+            out.backward(t["d_o"][sq : sq + lq])
+            dq[sq : sq + lq] = q.grad
+            dk[sk : sk + lk] = k.grad
+            dv[sk : sk + lk] = v.grad
+    if not grads:
+        return {"o": o, "lse": lse}
     return {"o": o, "dq": dq, "dk": dk, "dv": dv, "lse": lse}
 
 

@@ -54,11 +54,12 @@ def get_thd_partitioned_indices(
 
 
 def _exact(q, k, v, d_o, cu: Sequence[int], pad: Sequence[int]) -> Dict[str, torch.Tensor]:
-    """fp32 causal attention (self-attention, top-left) and its gradients."""
-    tensors = {"q": q, "k": k, "v": v, "d_o": d_o}
+    """fp32 causal attention (self-attention, top-left) and its gradients; ``d_o`` None:
+    the output alone (the forward's)."""
+    tensors = {"q": q, "k": k, "v": v, "d_o": torch.zeros_like(q) if d_o is None else d_o}
     batch = ThdBatch.of_tensors(tensors, cu, cu, pad, pad, mask="padding_causal")
     with torch.enable_grad():
-        return reference_attention(batch, torch.float32, device=str(q.device))
+        return reference_attention(batch, torch.float32, str(q.device), grads=d_o is not None)
 
 
 def _gather_full(x: torch.Tensor, idx: List[torch.Tensor], group, total: int) -> torch.Tensor:
@@ -92,11 +93,11 @@ class FakeAttnFunc(torch.autograd.Function):
             cu_pad_t = torch.tensor(pad, dtype=torch.int32)
             idx = [get_thd_partitioned_indices(cu_pad_t, pad[-1], cp, r) for r in range(cp)]
             fq, fk, fv = (_gather_full(x, idx, group, pad[-1]) for x in (q, k, v))
-            out = _exact(fq, fk, fv, torch.zeros_like(fq), cu, pad)["o"]
+            out = _exact(fq, fk, fv, None, cu, pad)["o"]
             out = out.index_select(0, idx[rank].long())
         else:
             idx = None
-            out = _exact(q, k, v, torch.zeros_like(q), cu, pad)["o"]
+            out = _exact(q, k, v, None, cu, pad)["o"]
         ctx.save_for_backward(q, k, v)
         ctx.meta, ctx.idx = meta, idx
         return out.to(q.dtype)
