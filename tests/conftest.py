@@ -115,7 +115,11 @@ def fake_te(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     try:
         yield tmp_path
     finally:
-        patch.uninstall()
+        # uninstall() walks every attribute of every loaded module (~2,400 by then: 50 ms)
+        # even when there is nothing to restore; where install() left no site and no TE
+        # function (never installed, or uninstalled already) it would change nothing.
+        if patch._sites or patch._te_function is not None:
+            patch.uninstall()
         for name in te_package.loaded_fake_modules():
             del sys.modules[name]
         sys.modules.update(saved)
