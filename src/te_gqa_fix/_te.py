@@ -213,40 +213,16 @@ class Args(NamedTuple):
     bottom_right_diagonal: Any
 
 
-class FallbackArgs(NamedTuple):
-    """Every argument of one ``fused_attn_bwd`` call that te-gqa-fix reads, by TE's names:
-    :class:`Args`, and what the exact fallback reads besides (read only where it runs).
-
-    A name the installed release's signature lacks reads as None, as in :class:`Args`, and
-    ``o_format``, ``do_format`` (TE < 2.20), ``dqkv_dtype`` (TE >= 2.20).
-    """
-
-    q: Any
-    k: Any
-    v: Any
-    cu_seqlens_q: Any
-    cu_seqlens_kv: Any
-    cu_seqlens_q_padded: Any
-    cu_seqlens_kv_padded: Any
-    qkv_layout: Any
-    dqkv_layout: Any
-    attn_mask_type: Any
-    window_size: Any
-    bottom_right_diagonal: Any
-    o: Any
-    d_o: Any
-    aux_ctx_tensors: Any
-    max_seqlen_q: Any
-    max_seqlen_kv: Any
-    attn_scale: Any
-    dropout: Any
-    fake_dtype: Any
-    dqkv_dtype: Any
-    o_format: Any
-    do_format: Any
-    attn_bias_type: Any
-    softmax_type: Any
-    deterministic: Any
-    s_quantizer: Any
-    dp_quantizer: Any
-    dqkv_quantizer: Any
+#: What the exact fallback reads besides :class:`Args` (a name the installed release lacks
+#: reads None, as in :class:`Args`: ``o_format``, ``do_format`` before TE 2.20,
+#: ``dqkv_dtype`` from it).
+_FALLBACK_ONLY = (
+    "o", "d_o", "aux_ctx_tensors", "max_seqlen_q", "max_seqlen_kv", "attn_scale", "dropout",
+    "fake_dtype", "dqkv_dtype", "o_format", "do_format", "attn_bias_type", "softmax_type",
+    "deterministic", "s_quantizer", "dp_quantizer", "dqkv_quantizer",
+)  # fmt: skip
+#: Every argument of one ``fused_attn_bwd`` call that te-gqa-fix reads, by TE's names:
+#: :class:`Args`' and what the exact fallback reads besides (read only where it runs).
+FallbackArgs = NamedTuple(  # type: ignore[misc]
+    "FallbackArgs", [(name, Any) for name in (*Args._fields, *_FALLBACK_ONLY)]
+)
