@@ -176,9 +176,14 @@ def stop(name: str) -> None:
     job = _JOBS.pop(name, None)
     if job is not None:
         job.kill()
-        for f in job._files:
-            f.close()
-        shutil.rmtree(job.folder, ignore_errors=True)
+        _remove(job)
+
+
+def _remove(job: Job) -> None:
+    """Close a job's output files and delete its folder."""
+    for f in job._files:
+        f.close()
+    shutil.rmtree(job.folder, ignore_errors=True)
 
 
 def stop_all() -> None:
@@ -186,9 +191,7 @@ def stop_all() -> None:
     for job in list(_LIVE):
         job.kill()
     for job in filter(None, _JOBS.values()):
-        for f in job._files:
-            f.close()
-        shutil.rmtree(job.folder, ignore_errors=True)
+        _remove(job)
     _JOBS.clear()
 
 
